@@ -1,0 +1,103 @@
+"""Running a function on N ranks from plain Python, outside any pytest test."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from harness.config import (
+    DEFAULT_DEADLINE_S,
+    DEFAULT_PEER_GRACE_S,
+    ConfigError,
+    check_device_type,
+    check_launcher,
+    check_world_size,
+    default_threads_per_rank,
+    device_count,
+    resolve_backend,
+)
+from harness.deadline import pg_timeout_for
+from harness.outcomes import Outcome, RunResult
+from harness.pools import PoolKey, PoolManager
+from harness.report import DistributedFailure
+from harness.task import RankTask, pack_call
+
+
+def launch(
+    fn: Callable[..., Any],
+    world_size: int,
+    args: tuple = (),
+    kwargs: dict[str, Any] | None = None,
+    *,
+    launcher: str = "process",
+    backend: str | None = None,
+    device: str = "cpu",
+    deadline: float = DEFAULT_DEADLINE_S,
+    seed: int = 0,
+    threads_per_rank: int | None = None,
+    peer_grace: float = DEFAULT_PEER_GRACE_S,
+    rendezvous: str = "file",
+    echo: Callable[[str], None] | None = None,
+) -> RunResult:
+    """Run ``fn(*args, **kwargs)`` on every rank of a fresh pool; return every rank's result.
+
+    ``fn`` must be importable by reference (defined at module level) and its arguments
+    picklable. Inside ``fn``, ``harness.get_rank_context()`` gives the rank's context.
+    Nothing is raised for a failing rank: inspect the returned :class:`RunResult`.
+    """
+    world_size = check_world_size(world_size)
+    launcher = check_launcher(launcher)
+    device_type = check_device_type(device)
+    backend = resolve_backend(launcher, backend, device_type)
+    available = device_count(device_type)
+    if available is not None and available < world_size:
+        raise ConfigError(
+            f"{world_size} ranks need {world_size} {device_type} devices, this machine has "
+            f"{available}; each rank owns one device"
+        )
+    if deadline <= 0:
+        raise ConfigError(f"deadline must be positive, got {deadline}")
+    payload, modules = pack_call(fn, tuple(args), dict(kwargs or {}))
+    task = RankTask(
+        test_id=getattr(fn, "__qualname__", repr(fn)),
+        payload=payload,
+        modules=modules,
+        sys_path=tuple(p for p in sys.path if p),
+        seed=seed,
+        pg_timeout=pg_timeout_for(deadline),
+    )
+    key = PoolKey(
+        launcher=launcher,
+        world_size=world_size,
+        backend=backend,
+        device_type=device_type,
+        threads_per_rank=threads_per_rank or default_threads_per_rank(world_size),
+        rendezvous=rendezvous,
+    )
+    from harness.pytest_run import make_pool
+
+    pools = PoolManager(lambda k: make_pool(k, echo=echo))
+    try:
+        return pools.run(key, task, deadline=deadline, peer_grace=peer_grace)
+    finally:
+        pools.shutdown()
+
+
+def run_on_ranks(
+    fn: Callable[..., Any],
+    world_size: int,
+    args: tuple = (),
+    kwargs: dict[str, Any] | None = None,
+    **options: Any,
+) -> list[Any]:
+    """Like :func:`launch`, but return the per-rank return values or raise the report.
+
+    Raises :class:`harness.DistributedFailure` (its text is the full per-rank report,
+    its ``run`` attribute the :class:`RunResult`) unless every rank passed.
+    """
+    run = launch(fn, world_size, args, kwargs, **options)
+    if not run.ok or run.by_outcome(Outcome.SKIPPED, Outcome.XFAILED):
+        context = f"ws {world_size}, run_on_ranks({getattr(fn, '__qualname__', fn)})"
+        raise DistributedFailure(run, context=context, reproducer=None)
+    return run.values

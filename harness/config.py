@@ -1,0 +1,144 @@
+"""The run's distributed configuration, checked before any rank is spawned.
+
+Every error here names the bad value and what would be accepted, so a typo on the
+command line costs one second, not a spawn and a timeout.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+LAUNCHERS = ("process", "thread", "external")
+THREADED_BACKEND = "threaded"
+DEFAULT_DEADLINE_S = 300.0
+DEFAULT_PEER_GRACE_S = 2.0
+
+
+class ConfigError(ValueError):
+    """The distributed configuration is invalid; nothing was spawned."""
+
+
+def available_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def default_threads_per_rank(world_size: int) -> int:
+    """Split the cores between the ranks: oversubscribed ranks run several times slower."""
+    return max(1, available_cores() // world_size)
+
+
+def check_world_size(world_size: object) -> int:
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ConfigError(f"world size must be a positive integer, got {world_size!r}")
+    return world_size
+
+
+def check_launcher(launcher: str) -> str:
+    if launcher not in LAUNCHERS:
+        raise ConfigError(f"unknown launcher {launcher!r}: choose one of {', '.join(LAUNCHERS)}")
+    return launcher
+
+
+def check_device_type(device_type: str) -> str:
+    import torch
+
+    try:
+        parsed = torch.device(device_type)
+    except RuntimeError as exc:
+        raise ConfigError(f"unknown device {device_type!r}: {exc}") from None
+    if parsed.index is not None:
+        raise ConfigError(
+            f"--device takes a device type ({parsed.type!r}), not {device_type!r}: each rank "
+            f"owns the device whose index is its rank"
+        )
+    return parsed.type
+
+
+def resolve_backend(launcher: str, backend: str | None, device_type: str) -> str:
+    """The backend a run uses: the device's default unless one is named."""
+    import torch.distributed as dist
+
+    if launcher == "thread":
+        if backend not in (None, "auto", THREADED_BACKEND):
+            raise ConfigError(
+                f"--launcher thread runs every rank in one process and always uses the "
+                f"{THREADED_BACKEND!r} backend; drop --backend {backend} or use --launcher process"
+            )
+        if device_type != "cpu":
+            raise ConfigError(
+                f"--launcher thread runs on the CPU only; use --launcher process for {device_type}"
+            )
+        return THREADED_BACKEND
+    if backend == THREADED_BACKEND:
+        raise ConfigError(
+            f"the {THREADED_BACKEND!r} backend only works with rank threads: use --launcher thread"
+        )
+    if backend in (None, "auto"):
+        try:
+            return dist.get_default_backend_for_device(device_type)
+        except (RuntimeError, ValueError, KeyError) as exc:
+            raise ConfigError(
+                f"no default distributed backend for device {device_type!r} ({exc}); "
+                f"name one with --backend"
+            ) from None
+    name = backend.lower()
+    if name not in dist.Backend.backend_list:
+        known = ", ".join(b for b in dist.Backend.backend_list if b != "undefined")
+        raise ConfigError(
+            f"unknown backend {backend!r}: registered backends are {known} (a vendor backend "
+            f"must be registered first, e.g. with --backend-plugin MODULE)"
+        )
+    supported = dist.Backend.backend_capability.get(name, [])
+    if supported and device_type not in supported:
+        raise ConfigError(
+            f"backend {name!r} does not support device {device_type!r} "
+            f"(it supports {', '.join(supported)})"
+        )
+    return name
+
+
+def device_count(device_type: str) -> int | None:
+    """How many devices of this type the machine has; None means unlimited (CPU ranks)."""
+    if device_type == "cpu":
+        return None
+    import torch
+
+    accelerator = torch.accelerator.current_accelerator(check_available=True)
+    if accelerator is None or accelerator.type != device_type:
+        return 0
+    return torch.accelerator.device_count()
+
+
+@dataclass(frozen=True)
+class DistSettings:
+    """What the command line and ini file chose for every distributed test of the run."""
+
+    launcher: str = "process"
+    backend: str = "gloo"
+    device_type: str = "cpu"
+    seed: int = 0
+    deadline: float = DEFAULT_DEADLINE_S
+    threads_per_rank: int | None = None
+    world_sizes: tuple[int, ...] | None = None
+    fresh_pool: bool = False
+    peer_grace: float = DEFAULT_PEER_GRACE_S
+    rendezvous: str = "file"
+
+    def threads_for(self, world_size: int) -> int:
+        return self.threads_per_rank or default_threads_per_rank(world_size)
+
+
+def parse_world_sizes(text: str | None) -> tuple[int, ...] | None:
+    if not text:
+        return None
+    try:
+        sizes = tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise ConfigError(f"--world-sizes takes comma-separated integers, got {text!r}") from None
+    for size in sizes:
+        check_world_size(size)
+    return sizes

@@ -1,0 +1,67 @@
+"""Per-test deadlines owned by the parent, and the process-group timeout under them.
+
+Precedence: the ``deadline`` marker, then ``--dist-deadline``, then the
+``dist_deadline`` ini value, then 300 s. When pytest-timeout is active for the test,
+the deadline is pulled below its timeout so the harness (which dumps every rank's
+stacks and kills the ranks) reports the hang instead of pytest-timeout (which can
+neither see the ranks nor clean them up).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from harness.config import DEFAULT_DEADLINE_S, ConfigError
+
+
+def pg_timeout_for(deadline: float) -> float:
+    """Collectives must time out (and raise in the rank) before the parent gives up."""
+    return max(1.0, min(deadline - 2.0, deadline * 0.8))
+
+
+def _positive(value: object, source: str) -> float:
+    try:
+        seconds = float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        raise ConfigError(f"{source} must be a number of seconds, got {value!r}") from None
+    if seconds <= 0:
+        raise ConfigError(f"{source} must be positive, got {value!r}")
+    return seconds
+
+
+def configured_deadline(config: pytest.Config) -> float:
+    option = config.getoption("dist_deadline", None)
+    if option is not None:
+        return _positive(option, "--dist-deadline")
+    ini = config.getini("dist_deadline")
+    if ini:
+        return _positive(ini, "the dist_deadline ini value")
+    return DEFAULT_DEADLINE_S
+
+
+def pytest_timeout_for(item: pytest.Item) -> float | None:
+    """The timeout pytest-timeout will apply to this item, if that plugin is active."""
+    if not item.config.pluginmanager.hasplugin("timeout"):
+        return None
+    marker = item.get_closest_marker("timeout")
+    if marker is not None:
+        value = marker.args[0] if marker.args else marker.kwargs.get("timeout")
+    else:
+        value = item.config.getoption("timeout", None)
+        if value is None:
+            value = item.config.getini("timeout") or None
+    try:
+        seconds = float(value) if value is not None else 0.0
+    except (TypeError, ValueError):
+        return None
+    return seconds if seconds > 0 else None
+
+
+def deadline_for(item: pytest.Item, default: float) -> float:
+    marker = item.get_closest_marker("deadline")
+    deadline = _positive(marker.args[0], "@pytest.mark.deadline") if marker else default
+    outer = pytest_timeout_for(item)
+    if outer is not None:
+        margin = max(3.0, 0.1 * outer)
+        deadline = min(deadline, outer - margin if outer > margin else outer * 0.5)
+    return deadline

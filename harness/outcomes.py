@@ -1,0 +1,147 @@
+"""What happened on each rank, and which failure is the root cause.
+
+A distributed test has one verdict but N stories. The classification here decides
+which story the report tells first: the earliest *primary* failure (an exception
+raised by the test body, a crash, a hang), never the peers that merely noticed it
+(a collective that lost its peer, a rank killed because another one failed).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class Outcome(enum.StrEnum):
+    PASSED = "passed"
+    FAILED = "failed"
+    SKIPPED = "skipped"
+    XFAILED = "xfailed"
+    CRASHED = "crashed"
+    HUNG = "hung"
+    ABORTED_BY_PEER = "aborted-by-peer"
+    NOT_STARTED = "not-started"
+
+
+PRIMARY_FAILURES = frozenset({Outcome.FAILED, Outcome.CRASHED, Outcome.HUNG})
+BAD_OUTCOMES = PRIMARY_FAILURES | {Outcome.ABORTED_BY_PEER, Outcome.NOT_STARTED}
+
+
+@dataclass
+class RankResult:
+    """One rank's account of one test. Times are ``time.monotonic()`` (system-wide on Linux)."""
+
+    rank: int
+    outcome: Outcome
+    started_at: float | None = None
+    finished_at: float | None = None
+    value: Any = None
+    error_type: str | None = None
+    error_message: str | None = None
+    traceback: str | None = None
+    reason: str | None = None
+    exit_code: int | None = None
+    signal_name: str | None = None
+    stacks: str | None = None
+    output: str = ""
+    comm_error: bool = False
+    note: str | None = None
+
+    @property
+    def duration(self) -> float | None:
+        if self.started_at is None or self.finished_at is None:
+            return None
+        return self.finished_at - self.started_at
+
+    def summary(self) -> str:
+        """One line for the per-rank table."""
+        if self.outcome in (Outcome.FAILED, Outcome.ABORTED_BY_PEER) and self.error_type:
+            text = f"{self.error_type}: {first_line(self.error_message)}"
+        elif self.outcome is Outcome.CRASHED:
+            if self.signal_name:
+                text = f"killed by {self.signal_name}"
+            else:
+                text = f"exited with code {self.exit_code}"
+        elif self.reason:
+            text = self.reason
+        else:
+            text = ""
+        if self.note:
+            text = f"{text} ({self.note})" if text else self.note
+        return text
+
+
+def first_line(text: str | None, limit: int = 160) -> str:
+    line = (text or "").strip().splitlines()[0] if (text or "").strip() else ""
+    return line if len(line) <= limit else line[: limit - 1] + "…"
+
+
+@dataclass
+class RunResult:
+    """Every rank's result for one test, plus what the harness itself observed."""
+
+    results: list[RankResult]
+    seed: int
+    deadline: float
+    started_at: float
+    finished_at: float
+    harness_notes: list[str] = field(default_factory=list)
+
+    @property
+    def world_size(self) -> int:
+        return len(self.results)
+
+    def by_outcome(self, *outcomes: Outcome) -> list[RankResult]:
+        return [r for r in self.results if r.outcome in outcomes]
+
+    @property
+    def ok(self) -> bool:
+        return not self.by_outcome(*BAD_OUTCOMES) and not self.inconsistent_skip
+
+    @property
+    def all_skipped(self) -> bool:
+        return all(r.outcome is Outcome.SKIPPED for r in self.results)
+
+    @property
+    def all_xfailed(self) -> bool:
+        return all(r.outcome is Outcome.XFAILED for r in self.results)
+
+    @property
+    def inconsistent_skip(self) -> bool:
+        skipped = self.by_outcome(Outcome.SKIPPED)
+        return bool(skipped) and len(skipped) != len(self.results)
+
+    @property
+    def values(self) -> list[Any]:
+        return [r.value for r in self.results]
+
+    def primary_failure(self) -> RankResult | None:
+        """The earliest root-cause failure; peers that only reacted to it come later."""
+        primaries = self.by_outcome(*PRIMARY_FAILURES)
+        if not primaries:
+            return None
+        # A rank that raised its own error explains more than one that timed out
+        # in a collective waiting for it, even when the timeout was recorded first.
+        own_errors = [r for r in primaries if not r.comm_error] or primaries
+        return min(own_errors, key=_event_time)
+
+
+def _event_time(result: RankResult) -> float:
+    return result.finished_at if result.finished_at is not None else float("inf")
+
+
+def demote_secondary_failures(run: RunResult) -> None:
+    """Mark ranks whose failure is a consequence of the primary one as aborted-by-peer.
+
+    A communication error (lost peer, collective timeout) is by nature a reaction to
+    what another rank did; reporting its traceback as one more failure is how real
+    errors get buried under noise. The primary failure itself is never demoted.
+    """
+    primary = run.primary_failure()
+    if primary is None:
+        return
+    for result in run.results:
+        if result is not primary and result.outcome is Outcome.FAILED and result.comm_error:
+            result.outcome = Outcome.ABORTED_BY_PEER
+            result.note = f"after rank {primary.rank} {primary.outcome.value}"

@@ -1,0 +1,249 @@
+"""pytest plugin: options, markers, the world-size parametrization and the fixtures.
+
+Registered through the ``pytest11`` entry point ``distconform``. Running a marked
+test on its ranks lives in :mod:`harness.pytest_run`; the end-of-run table in
+:mod:`harness.summary`.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from harness import pytest_run, summary
+from harness.config import (
+    LAUNCHERS,
+    ConfigError,
+    DistSettings,
+    check_device_type,
+    check_launcher,
+    check_world_size,
+    parse_world_sizes,
+    resolve_backend,
+)
+from harness.deadline import configured_deadline
+from harness.rank_context import RankContextPlaceholder
+
+WORLD_SIZE_PARAM = "dist_world_size"
+SETTINGS_KEY = pytest.StashKey[DistSettings]()
+
+_MARKERS = (
+    "world_size(*sizes): run the test body on every rank, once per world size "
+    "(ids ws2, ws4, ...); filter with --world-sizes",
+    "deadline(seconds): the parent's per-test deadline for a distributed test "
+    "(default --dist-deadline, ini dist_deadline, 300 s)",
+    "fresh_pool: run this distributed test on a pool of its own, discarded afterwards "
+    "(for tests that change process-wide state)",
+    "requires_devices(n): skip unless the configured device type has at least n devices "
+    "(CPU counts as unlimited)",
+    "requires_accelerator: skip unless the run's device is an accelerator",
+)
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("distconform", "distributed tests on N ranks (distconform)")
+    group.addoption(
+        "--launcher",
+        default=None,
+        help=f"how ranks are started: {', '.join(LAUNCHERS)} (default: process)",
+    )
+    group.addoption(
+        "--backend",
+        default=None,
+        help="process-group backend (default: the device's default, gloo on CPU; "
+        "'threaded' with --launcher thread)",
+    )
+    group.addoption("--device", default=None, help="device type of the ranks (default: cpu)")
+    group.addoption(
+        "--world-sizes",
+        default=None,
+        metavar="N[,N...]",
+        help="run only these world sizes of tests marked world_size",
+    )
+    group.addoption(
+        "--dist-seed",
+        type=int,
+        default=0,
+        help="seed applied identically on every rank before each test (printed in failures)",
+    )
+    group.addoption(
+        "--dist-deadline",
+        default=None,
+        metavar="SECONDS",
+        help="per-test deadline owned by the harness (default: ini dist_deadline or 300)",
+    )
+    group.addoption(
+        "--dist-threads",
+        type=int,
+        default=None,
+        metavar="N",
+        help="torch threads per rank (default: cores // world size, at least 1)",
+    )
+    group.addoption(
+        "--dist-fresh-pool",
+        action="store_true",
+        default=False,
+        help="start a new pool of ranks for every distributed test",
+    )
+    group.addoption(
+        "--dist-peer-grace",
+        type=float,
+        default=2.0,
+        metavar="SECONDS",
+        help="how long other ranks may keep running after one rank failed",
+    )
+    group.addoption(
+        "--dist-rendezvous",
+        default="file",
+        choices=("file", "tcp"),
+        help="FileStore in a private temp dir, or a TCPStore on 127.0.0.1 (default: file)",
+    )
+    group.addoption(
+        "--dist-summary",
+        action="store_true",
+        default=False,
+        help="print a per-rank outcome table of every distributed test at the end",
+    )
+    parser.addini("dist_deadline", "default per-test deadline in seconds", default="")
+    parser.addini("dist_launcher", "default launcher", default="process")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_addhooks(pluginmanager: pytest.PytestPluginManager) -> None:
+    from harness import hookspecs
+
+    pluginmanager.add_hookspecs(hookspecs)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    for line in _MARKERS:
+        config.addinivalue_line("markers", line)
+    try:
+        settings = _settings_from(config)
+    except ConfigError as exc:
+        raise pytest.UsageError(f"distconform: {exc}") from None
+    config.stash[SETTINGS_KEY] = settings
+    pytest_run.configure(config, settings)
+    summary.configure(config)
+
+
+def _settings_from(config: pytest.Config) -> DistSettings:
+    launcher = check_launcher(config.getoption("launcher") or config.getini("dist_launcher"))
+    device_type = check_device_type(config.getoption("device") or "cpu")
+    backend = resolve_backend(launcher, config.getoption("backend"), device_type)
+    threads = config.getoption("dist_threads")
+    if threads is not None and threads < 1:
+        raise ConfigError(f"--dist-threads must be at least 1, got {threads}")
+    grace = config.getoption("dist_peer_grace")
+    if grace < 0:
+        raise ConfigError(f"--dist-peer-grace must not be negative, got {grace}")
+    return DistSettings(
+        launcher=launcher,
+        backend=backend,
+        device_type=device_type,
+        seed=config.getoption("dist_seed"),
+        deadline=configured_deadline(config),
+        threads_per_rank=threads,
+        world_sizes=parse_world_sizes(config.getoption("world_sizes")),
+        fresh_pool=config.getoption("dist_fresh_pool"),
+        peer_grace=grace,
+        rendezvous=config.getoption("dist_rendezvous"),
+    )
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    pytest_run.unconfigure(config)
+
+
+def pytest_report_header(config: pytest.Config) -> str | None:
+    settings = config.stash.get(SETTINGS_KEY, None)
+    if settings is None:
+        return None
+    return (
+        f"distconform: launcher {settings.launcher}, backend {settings.backend}, "
+        f"device {settings.device_type}, seed {settings.seed}, deadline {settings.deadline:g} s"
+    )
+
+
+def world_sizes_of(marker: pytest.Mark) -> list[int]:
+    sizes = list(marker.args)
+    if len(sizes) == 1 and isinstance(sizes[0], list | tuple):
+        sizes = list(sizes[0])
+    if not sizes:
+        raise ConfigError("@pytest.mark.world_size needs at least one world size")
+    return [check_world_size(size) for size in sizes]
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    marker = metafunc.definition.get_closest_marker("world_size")
+    if marker is None:
+        return
+    try:
+        sizes = world_sizes_of(marker)
+    except ConfigError as exc:
+        raise pytest.UsageError(f"{metafunc.definition.nodeid}: {exc}") from None
+    if WORLD_SIZE_PARAM not in metafunc.fixturenames:
+        # The world size is a parameter of every marked test, requested or not.
+        metafunc.fixturenames.append(WORLD_SIZE_PARAM)
+    metafunc.parametrize(WORLD_SIZE_PARAM, sizes, ids=[f"ws{size}" for size in sizes])
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    wanted = config.stash[SETTINGS_KEY].world_sizes
+    if wanted is None:
+        return
+    selected, deselected = [], []
+    for item in items:
+        size = world_size_of(item)
+        (deselected if size is not None and size not in wanted else selected).append(item)
+    if deselected:
+        config.hook.pytest_deselected(items=deselected)
+        items[:] = selected
+
+
+def world_size_of(item: pytest.Item) -> int | None:
+    callspec = getattr(item, "callspec", None)
+    if callspec is None:
+        return None
+    return callspec.params.get(WORLD_SIZE_PARAM)
+
+
+@pytest.fixture
+def dist_world_size(request: pytest.FixtureRequest) -> int:
+    """The world size this instance of a ``world_size``-marked test runs at."""
+    if not hasattr(request, "param"):
+        raise pytest.UsageError(
+            f"{request.node.nodeid}: dist_world_size is only set for tests marked "
+            f"@pytest.mark.world_size(...)"
+        )
+    return request.param
+
+
+@pytest.fixture
+def rank_ctx(request: pytest.FixtureRequest) -> RankContextPlaceholder:
+    """The rank's context (rank, world_size, device, backend, group, mesh()), built in the rank."""
+    if world_size_of(request.node) is None:
+        raise pytest.UsageError(
+            f"{request.node.nodeid} uses rank_ctx but is not marked "
+            f"@pytest.mark.world_size(...): rank_ctx only exists on ranks"
+        )
+    return RankContextPlaceholder()
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    if world_size_of(item) is not None:
+        pytest_run.check_resources(item)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
+    if world_size_of(pyfuncitem) is None:
+        return None
+    pytest_run.run_item(pyfuncitem)
+    return True
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    report = yield
+    pytest_run.decorate_report(item, call, report)
+    return report

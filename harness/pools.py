@@ -1,0 +1,139 @@
+"""Warm rank pools, keyed by everything that makes two pools interchangeable.
+
+A pool is started lazily for the first test that needs its key and reused by every
+later test with the same key, across classes and files. A pool that saw anything
+other than a clean pass (failure, crash, hang, hygiene violation) is killed and
+dropped; the next test with that key gets a fresh one. Nothing is ever skipped
+because an earlier test broke a pool.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+from harness.outcomes import Outcome, RankResult, RunResult
+from harness.task import RankTask
+
+
+class RankPool(Protocol):
+    """What every launcher provides: ranks that joined one world and run tasks."""
+
+    launcher: str
+    broken: bool
+
+    def start(self) -> None: ...
+
+    def run(self, task: RankTask, deadline: float, peer_grace: float) -> RunResult: ...
+
+    def close(self, timeout: float = 10.0) -> None: ...
+
+    def kill(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class PoolKey:
+    launcher: str
+    world_size: int
+    backend: str
+    device_type: str
+    threads_per_rank: int
+    rendezvous: str = "file"
+    env: tuple[tuple[str, str], ...] = ()
+
+    def describe(self) -> str:
+        return (
+            f"{self.launcher}/{self.backend}/{self.device_type}, ws {self.world_size}, "
+            f"{self.threads_per_rank} thread(s) per rank"
+        )
+
+
+class PoolStartFailure(RuntimeError):
+    """A pool could not start; carries what each rank reported."""
+
+    def __init__(self, message: str, results: list[RankResult]) -> None:
+        super().__init__(message)
+        self.results = results
+
+
+PoolFactory = Callable[[PoolKey], RankPool]
+
+
+class PoolManager:
+    def __init__(self, factory: PoolFactory) -> None:
+        self._factory = factory
+        self._pools: dict[PoolKey, RankPool] = {}
+        self.spawn_count = 0
+        self.recycle_count = 0
+
+    def run(
+        self,
+        key: PoolKey,
+        task: RankTask,
+        *,
+        deadline: float,
+        peer_grace: float,
+        fresh: bool = False,
+    ) -> RunResult:
+        started = time.monotonic()
+        try:
+            pool = self._acquire(key)
+        except PoolStartFailure as exc:
+            return RunResult(
+                results=exc.results,
+                seed=task.seed,
+                deadline=deadline,
+                started_at=started,
+                finished_at=time.monotonic(),
+                harness_notes=[str(exc)],
+            )
+        try:
+            run = pool.run(task, deadline, peer_grace)
+        except BaseException:
+            self._discard(key)
+            raise
+        if pool.broken or fresh:
+            self._discard(key, recycled=pool.broken)
+        return run
+
+    def _acquire(self, key: PoolKey) -> RankPool:
+        pool = self._pools.get(key)
+        if pool is not None:
+            return pool
+        pool = self._factory(key)
+        self.spawn_count += 1
+        try:
+            pool.start()
+        except PoolStartFailure:
+            raise
+        except Exception as exc:
+            results = [
+                RankResult(rank=r, outcome=Outcome.NOT_STARTED, note=str(exc))
+                for r in range(key.world_size)
+            ]
+            raise PoolStartFailure(
+                f"the {key.describe()} pool did not start: {exc}", results
+            ) from exc
+        self._pools[key] = pool
+        return pool
+
+    def _discard(self, key: PoolKey, recycled: bool = True) -> None:
+        pool = self._pools.pop(key, None)
+        if pool is None:
+            return
+        if recycled:
+            self.recycle_count += 1
+            pool.kill()
+        else:
+            pool.close()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Close every pool; each close is bounded and ends with a kill."""
+        pools, self._pools = list(self._pools.values()), {}
+        for pool in pools:
+            pool.close(timeout)
+
+    def __len__(self) -> int:
+        return len(self._pools)

@@ -1,0 +1,418 @@
+"""A pool of rank processes that joined one process group and run tasks on demand.
+
+Every wait here has a bound. A rank that does not answer by the deadline gets its
+Python stacks dumped (faulthandler on SIGUSR1, written to a per-rank file) and is
+then killed together with the whole pool's process group.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import timedelta
+from multiprocessing.connection import Connection, wait
+from pathlib import Path
+
+import harness
+from harness.outcomes import Outcome, RankResult, RunResult
+from harness.pools import PoolStartFailure
+from harness.process.output import RankOutput
+from harness.process.worker import EXIT_PARENT_GONE, WorkerSpec
+from harness.task import RankTask
+
+# How long the parent waits for a rank's output after it has finished or died.
+_OUTPUT_SETTLE_S = 2.0
+# How long a rank has to write its stacks after SIGUSR1 before it is killed anyway.
+_STACK_DUMP_WAIT_S = 1.0
+
+
+@dataclass(frozen=True)
+class ProcessPoolSpec:
+    world_size: int
+    backend: str
+    device_type: str
+    threads_per_rank: int
+    start_timeout: float = 120.0
+    rendezvous: str = "file"
+    env: tuple[tuple[str, str], ...] = ()
+    echo: Callable[[str], None] | None = field(default=None, compare=False)
+
+
+@dataclass
+class _Rank:
+    rank: int
+    popen: subprocess.Popen
+    conn: Connection
+    output: RankOutput
+    stack_path: Path
+    stack_offset: int = 0
+
+
+def signal_name(returncode: int | None) -> str | None:
+    if returncode is None or returncode >= 0:
+        return None
+    try:
+        return signal.Signals(-returncode).name
+    except ValueError:
+        return f"signal {-returncode}"
+
+
+class ProcessPool:
+    """``world_size`` rank processes in one OS process group, in one c10d world."""
+
+    launcher = "process"
+
+    def __init__(self, spec: ProcessPoolSpec) -> None:
+        self.spec = spec
+        self.broken = False
+        self._ranks: list[_Rank] = []
+        self._pgid: int | None = None
+        self._task_counter = 0
+        self._tmpdir: str | None = None
+        self._store_server = None
+
+    # --- life cycle ----------------------------------------------------------------
+
+    @property
+    def started(self) -> bool:
+        return bool(self._ranks)
+
+    @property
+    def pids(self) -> list[int]:
+        return [r.popen.pid for r in self._ranks]
+
+    @property
+    def rendezvous_dir(self) -> str | None:
+        return self._tmpdir
+
+    def start(self) -> None:
+        # mkdtemp creates the directory with mode 0700: the FileStore and the
+        # stack dumps are readable by this user only.
+        self._tmpdir = tempfile.mkdtemp(prefix="distconform-")
+        store = self._make_store()
+        try:
+            for rank in range(self.spec.world_size):
+                self._ranks.append(self._spawn(rank, store))
+            self._await_ready()
+        except BaseException:
+            self.kill()
+            raise
+
+    def _make_store(self) -> dict:
+        if self.spec.rendezvous == "file":
+            return {"kind": "file", "path": os.path.join(self._tmpdir, "filestore")}
+        if self.spec.rendezvous == "tcp":
+            import torch.distributed as dist
+
+            # Bind the listening socket ourselves: TCPStore's host argument would
+            # listen on every interface, and a guessed port can collide.
+            listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            listener.bind(("127.0.0.1", 0))
+            listener.listen(self.spec.world_size * 2)
+            port = listener.getsockname()[1]
+            self._store_server = dist.TCPStore(
+                "127.0.0.1",
+                port,
+                self.spec.world_size,
+                is_master=True,
+                timeout=timedelta(seconds=self.spec.start_timeout),
+                wait_for_workers=False,
+                master_listen_fd=listener.detach(),
+            )
+            return {"kind": "tcp", "host": "127.0.0.1", "port": port}
+        raise ValueError(f"unknown rendezvous {self.spec.rendezvous!r}: use 'file' or 'tcp'")
+
+    def _spawn(self, rank: int, store: dict) -> _Rank:
+        parent_sock, child_sock = socket.socketpair()
+        stack_path = Path(self._tmpdir) / f"stacks-rank{rank}.txt"
+        spec = WorkerSpec(
+            rank=rank,
+            world_size=self.spec.world_size,
+            backend=self.spec.backend,
+            device_type=self.spec.device_type,
+            launcher=self.launcher,
+            threads=self.spec.threads_per_rank,
+            control_fd=child_sock.fileno(),
+            stack_path=str(stack_path),
+            store=store,
+            init_timeout=self.spec.start_timeout,
+            parent_pid=os.getpid(),
+            sys_path=tuple(p for p in sys.path if p),
+        )
+        try:
+            popen = subprocess.Popen(
+                [sys.executable, "-m", "harness.process.worker", spec.to_json()],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                pass_fds=(child_sock.fileno(),),
+                env=self._rank_env(),
+                # Rank 0 leads a new process group that every other rank joins, so
+                # one killpg takes the ranks and anything they started.
+                process_group=0 if self._pgid is None else self._pgid,
+            )
+        finally:
+            child_sock.close()
+        if self._pgid is None:
+            self._pgid = popen.pid
+        output = RankOutput(rank, popen.stdout, self.spec.echo)
+        return _Rank(rank, popen, Connection(parent_sock.detach()), output, stack_path)
+
+    def _rank_env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        package_root = str(Path(harness.__file__).resolve().parent.parent)
+        env["PYTHONPATH"] = os.pathsep.join(
+            [package_root, *filter(None, env.get("PYTHONPATH", "").split(os.pathsep))]
+        )
+        env["PYTHONUNBUFFERED"] = "1"
+        threads = str(self.spec.threads_per_rank)
+        env["OMP_NUM_THREADS"] = threads
+        env["MKL_NUM_THREADS"] = threads
+        if self.spec.device_type == "cpu":
+            env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        env.update(dict(self.spec.env))
+        return env
+
+    def _await_ready(self) -> None:
+        deadline = time.monotonic() + self.spec.start_timeout
+        waiting = {r.conn: r for r in self._ranks}
+        failed: list[RankResult] = []
+        while waiting and not failed:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            for conn in wait(list(waiting), timeout=remaining):
+                rank = waiting.pop(conn)
+                try:
+                    conn.recv()
+                except (EOFError, OSError):
+                    failed.append(self._crash_result(rank, started_at=None))
+        if failed or waiting:
+            results = failed + [
+                RankResult(
+                    rank=r.rank,
+                    outcome=Outcome.HUNG,
+                    note=f"did not join the process group within {self.spec.start_timeout:.0f} s",
+                    stacks=self._dump_stacks([r]).get(r.rank),
+                )
+                for r in waiting.values()
+            ]
+            self.kill()
+            for result in results:
+                rank = self._ranks[result.rank]
+                rank.output.wait_closed(_OUTPUT_SETTLE_S)
+                result.output = rank.output.text_since(0)
+            raise PoolStartFailure(self._start_failure_message(results), sorted_results(results))
+
+    def _start_failure_message(self, results: list[RankResult]) -> str:
+        parts = [f"rank {r.rank} {r.outcome.value} ({r.summary()})" for r in results]
+        return (
+            f"could not start {self.spec.world_size} rank processes "
+            f"(backend {self.spec.backend}, device {self.spec.device_type}): " + "; ".join(parts)
+        )
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Ask the ranks to leave, wait a bounded time, then kill what is left."""
+        for rank in self._ranks:
+            with contextlib.suppress(OSError):
+                rank.conn.send(None)
+        end = time.monotonic() + timeout
+        for rank in self._ranks:
+            try:
+                rank.popen.wait(timeout=max(0.0, end - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                break
+        self.kill()
+
+    def kill(self) -> None:
+        if self._pgid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self._pgid, signal.SIGKILL)
+        for rank in self._ranks:
+            if rank.popen.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    rank.popen.kill()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                rank.popen.wait(timeout=5.0)
+            for stream in (rank.popen.stdin, rank.conn):
+                with contextlib.suppress(OSError):
+                    stream.close()
+        self.broken = True
+        if self._tmpdir is not None:
+            shutil.rmtree(self._tmpdir, ignore_errors=True)
+        self._store_server = None
+
+    # --- running a task --------------------------------------------------------------
+
+    def run(self, task: RankTask, deadline: float, peer_grace: float) -> RunResult:
+        """Run ``task`` on every rank; never waits longer than ``deadline`` seconds."""
+        self._task_counter += 1
+        task = _with_task_id(task, self._task_counter)
+        started = time.monotonic()
+        marks = {r.rank: r.output.mark() for r in self._ranks}
+        results: dict[int, RankResult] = {}
+        for rank in self._ranks:
+            try:
+                rank.conn.send(task)
+            except OSError:
+                results[rank.rank] = self._crash_result(rank, started)
+        hard_stop = started + deadline
+        abort_at: float | None = None
+        pending = {r.conn: r for r in self._ranks if r.rank not in results}
+        while pending:
+            if any(_is_primary(r) for r in results.values()) and abort_at is None:
+                abort_at = time.monotonic() + peer_grace
+            stop = min(hard_stop, abort_at) if abort_at is not None else hard_stop
+            remaining = stop - time.monotonic()
+            if remaining <= 0:
+                break
+            for conn in wait(list(pending), timeout=remaining):
+                rank = pending.pop(conn)
+                try:
+                    results[rank.rank] = conn.recv()
+                except (EOFError, OSError):
+                    results[rank.rank] = self._crash_result(rank, started)
+        notes: list[str] = []
+        if pending:
+            self._stop_unfinished(list(pending.values()), results, started, deadline, abort_at)
+            notes.append(self._stop_note(results, deadline, abort_at, hard_stop))
+        self._attach_output(task, results, marks)
+        if any(r.outcome is not Outcome.PASSED for r in results.values()):
+            self.broken = True
+        return RunResult(
+            results=sorted_results(results.values()),
+            seed=task.seed,
+            deadline=deadline,
+            started_at=started,
+            finished_at=time.monotonic(),
+            harness_notes=notes,
+        )
+
+    def _stop_unfinished(
+        self,
+        unfinished: list[_Rank],
+        results: dict[int, RankResult],
+        started: float,
+        deadline: float,
+        abort_at: float | None,
+    ) -> None:
+        timed_out = abort_at is None or time.monotonic() >= started + deadline
+        stacks = self._dump_stacks(unfinished)
+        now = time.monotonic()
+        for rank in unfinished:
+            if timed_out:
+                outcome, note = Outcome.HUNG, f"still running at the {deadline:g} s deadline"
+            else:
+                outcome, note = Outcome.ABORTED_BY_PEER, "stopped after a peer failed"
+            results[rank.rank] = RankResult(
+                rank=rank.rank,
+                outcome=outcome,
+                started_at=started,
+                finished_at=None if timed_out else now,
+                stacks=stacks.get(rank.rank),
+                note=note,
+            )
+        self.kill()
+
+    @staticmethod
+    def _stop_note(
+        results: dict[int, RankResult], deadline: float, abort_at: float | None, hard_stop: float
+    ) -> str:
+        stopped = sorted(
+            r.rank for r in results.values() if r.outcome in (Outcome.HUNG, Outcome.ABORTED_BY_PEER)
+        )
+        if abort_at is not None and abort_at < hard_stop:
+            return f"ranks {stopped} were killed after the grace period that follows a failure"
+        return f"ranks {stopped} did not finish within the {deadline:g} s deadline and were killed"
+
+    def _dump_stacks(self, ranks: list[_Rank]) -> dict[int, str]:
+        """Ask each rank for all its threads' Python stacks; return what they wrote."""
+        offsets = {}
+        for rank in ranks:
+            offsets[rank.rank] = _file_size(rank.stack_path)
+            if rank.popen.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(rank.popen.pid, signal.SIGUSR1)
+        end = time.monotonic() + _STACK_DUMP_WAIT_S
+        sizes = {r.rank: -1 for r in ranks}
+        while time.monotonic() < end:
+            time.sleep(0.05)
+            now_sizes = {r.rank: _file_size(r.stack_path) for r in ranks}
+            grew = all(now_sizes[k] > offsets[k] for k in now_sizes)
+            if grew and now_sizes == sizes:
+                break
+            sizes = now_sizes
+        return {r.rank: _read_from(r.stack_path, offsets[r.rank]) for r in ranks}
+
+    def _crash_result(self, rank: _Rank, started_at: float | None) -> RankResult:
+        seen_at = time.monotonic()
+        offset = rank.stack_offset
+        try:
+            returncode = rank.popen.wait(timeout=5.0)
+        except subprocess.TimeoutExpired:
+            returncode = None
+        note = None
+        if returncode == EXIT_PARENT_GONE:
+            note = "the rank saw its parent disappear"
+        return RankResult(
+            rank=rank.rank,
+            outcome=Outcome.CRASHED,
+            started_at=started_at,
+            finished_at=seen_at,
+            exit_code=returncode,
+            signal_name=signal_name(returncode),
+            stacks=_read_from(rank.stack_path, offset) or None,
+            note=note,
+        )
+
+    def _attach_output(
+        self, task: RankTask, results: dict[int, RankResult], marks: dict[int, int]
+    ) -> None:
+        for rank in self._ranks:
+            if rank.popen.poll() is None:
+                rank.output.wait_for_task_end(task.task_id, _OUTPUT_SETTLE_S)
+            else:
+                rank.output.wait_closed(_OUTPUT_SETTLE_S)
+            results[rank.rank].output = rank.output.text_since(marks[rank.rank])
+            rank.stack_offset = _file_size(rank.stack_path)
+
+
+def _is_primary(result: RankResult) -> bool:
+    if result.outcome is Outcome.CRASHED:
+        return True
+    return result.outcome is Outcome.FAILED and not result.comm_error
+
+
+def sorted_results(results) -> list[RankResult]:
+    return sorted(results, key=lambda r: r.rank)
+
+
+def _with_task_id(task: RankTask, task_id: int) -> RankTask:
+    from dataclasses import replace
+
+    return replace(task, task_id=task_id)
+
+
+def _file_size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
+
+
+def _read_from(path: Path, offset: int) -> str:
+    try:
+        with open(path, "rb") as handle:
+            handle.seek(offset)
+            return handle.read().decode("utf-8", errors="replace")
+    except OSError:
+        return ""

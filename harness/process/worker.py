@@ -1,0 +1,178 @@
+"""Entry point of a rank process: ``python -m harness.process.worker SPEC_JSON``.
+
+The rank joins the process group once, then serves tasks from the parent over its
+control connection until told to stop or until the parent disappears.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import faulthandler
+import json
+import os
+import signal
+import sys
+import threading
+from dataclasses import dataclass
+from datetime import timedelta
+from multiprocessing.connection import Connection
+from typing import Any
+
+# Exit code of a rank whose parent went away: distinguishable from a test's own exit.
+EXIT_PARENT_GONE = 70
+_PR_SET_PDEATHSIG = 1
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    rank: int
+    world_size: int
+    backend: str
+    device_type: str
+    launcher: str
+    threads: int
+    control_fd: int
+    stack_path: str
+    store: dict[str, Any]
+    init_timeout: float
+    parent_pid: int
+    sys_path: tuple[str, ...]
+
+    def to_json(self) -> str:
+        return json.dumps(self.__dict__)
+
+    @classmethod
+    def from_json(cls, text: str) -> WorkerSpec:
+        data = json.loads(text)
+        data["sys_path"] = tuple(data["sys_path"])
+        return cls(**data)
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """Two independent guards, so no rank outlives a killed pytest.
+
+    PR_SET_PDEATHSIG delivers SIGKILL when the parent exits; EOF on stdin (whose
+    write end only the parent holds) catches the cases the signal misses.
+    """
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):
+        pass
+    if os.getppid() != parent_pid:
+        os._exit(EXIT_PARENT_GONE)
+
+    def exit_on_eof() -> None:
+        try:
+            while sys.stdin.buffer.read(4096):
+                pass
+        finally:
+            os._exit(EXIT_PARENT_GONE)
+
+    threading.Thread(target=exit_on_eof, name="distconform-parent-watch", daemon=True).start()
+
+
+def _install_stack_dumps(stack_path: str) -> None:
+    # The file stays open for the life of the process: faulthandler writes to its fd
+    # from a signal handler, which works even while every thread is stuck in C++.
+    stack_file = open(stack_path, "w")  # noqa: SIM115
+    faulthandler.enable(file=stack_file, all_threads=True)
+    faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True, chain=False)
+
+
+def _make_store(store: dict[str, Any], world_size: int, timeout: timedelta) -> Any:
+    import torch.distributed as dist
+
+    if store["kind"] == "file":
+        return dist.FileStore(store["path"], world_size)
+    if store["kind"] == "tcp":
+        return dist.TCPStore(
+            store["host"], store["port"], world_size, is_master=False, timeout=timeout
+        )
+    raise ValueError(f"unknown store kind {store['kind']!r}")
+
+
+def _join_world(spec: WorkerSpec) -> Any:
+    import torch
+    import torch.distributed as dist
+
+    from harness.rank_context import RankContext
+
+    timeout = timedelta(seconds=spec.init_timeout)
+    device = torch.device(spec.device_type)
+    device_id = None
+    if spec.device_type != "cpu":
+        torch.accelerator.set_device_index(spec.rank)
+        device = torch.device(spec.device_type, spec.rank)
+        device_id = device
+    dist.init_process_group(
+        backend=spec.backend,
+        store=_make_store(spec.store, spec.world_size, timeout),
+        rank=spec.rank,
+        world_size=spec.world_size,
+        timeout=timeout,
+        device_id=device_id,
+    )
+    return RankContext(
+        rank=spec.rank,
+        world_size=spec.world_size,
+        device=device,
+        backend=spec.backend,
+        seed=0,
+        launcher=spec.launcher,
+    )
+
+
+def _send_result(conn: Connection, result: Any) -> None:
+    try:
+        conn.send(result)
+    except Exception as exc:  # the value returned by the test may not pickle
+        result.note = f"return value not picklable: {exc}"
+        result.value = repr(result.value)
+        conn.send(result)
+
+
+def serve(spec: WorkerSpec) -> None:
+    import dataclasses
+
+    import torch
+
+    from harness.process.output import end_marker_line
+    from harness.rank_exec import run_task
+
+    torch.set_num_threads(spec.threads)
+    conn = Connection(spec.control_fd)
+    base_ctx = _join_world(spec)
+    conn.send(("ready", os.getpid()))
+    while True:
+        try:
+            task = conn.recv()
+        except EOFError:
+            return
+        if task is None:
+            return
+        ctx = dataclasses.replace(base_ctx, seed=task.seed)
+        result = run_task(task, ctx)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.write(1, end_marker_line(task.task_id))
+        _send_result(conn, result)
+
+
+def main(argv: list[str]) -> None:
+    spec = WorkerSpec.from_json(argv[1])
+    _die_with_parent(spec.parent_pid)
+    _install_stack_dumps(spec.stack_path)
+    for entry in reversed(spec.sys_path):
+        if entry not in sys.path:
+            sys.path.insert(0, entry)
+    serve(spec)
+    # Skip interpreter teardown: destroying a process group whose peers are
+    # already gone can block, and the parent has nothing left to learn from us.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main(sys.argv)

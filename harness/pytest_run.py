@@ -1,0 +1,180 @@
+"""Running one ``world_size``-marked pytest item on its ranks and judging the result."""
+
+from __future__ import annotations
+
+import shlex
+import sys
+import threading
+from functools import partial
+
+import pytest
+
+from harness import summary
+from harness.config import DistSettings, device_count
+from harness.deadline import deadline_for, pg_timeout_for
+from harness.outcomes import Outcome, RunResult
+from harness.pools import PoolKey, PoolManager, RankPool
+from harness.report import DistributedFailure
+from harness.task import RankTask, TaskPackingError, pack_call
+
+POOLS_KEY = pytest.StashKey[PoolManager]()
+RUN_KEY = pytest.StashKey[RunResult]()
+
+_echo_lock = threading.Lock()
+
+
+def _echo(text: str) -> None:
+    with _echo_lock:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+
+
+def make_pool(key: PoolKey, *, echo) -> RankPool:
+    if key.launcher == "process":
+        from harness.process.pool import ProcessPool, ProcessPoolSpec
+
+        return ProcessPool(
+            ProcessPoolSpec(
+                world_size=key.world_size,
+                backend=key.backend,
+                device_type=key.device_type,
+                threads_per_rank=key.threads_per_rank,
+                rendezvous=key.rendezvous,
+                env=key.env,
+                echo=echo,
+            )
+        )
+    raise pytest.UsageError(f"distconform: the {key.launcher!r} launcher is not available yet")
+
+
+def configure(config: pytest.Config, settings: DistSettings) -> None:
+    streaming = config.getoption("capture") == "no"
+    config.stash[POOLS_KEY] = PoolManager(partial(make_pool, echo=_echo if streaming else None))
+
+
+def unconfigure(config: pytest.Config) -> None:
+    pools = config.stash.get(POOLS_KEY, None)
+    if pools is not None:
+        pools.shutdown()
+
+
+def _settings(item: pytest.Item) -> DistSettings:
+    from harness.plugin import SETTINGS_KEY
+
+    return item.config.stash[SETTINGS_KEY]
+
+
+def check_resources(item: pytest.Item) -> None:
+    """Skip in the parent, before any rank exists, when the machine cannot run the test."""
+    from harness.plugin import world_size_of
+
+    settings = _settings(item)
+    device_type = settings.device_type
+    if item.get_closest_marker("requires_accelerator") and device_type == "cpu":
+        pytest.skip("needs an accelerator; this run's device is cpu (choose one with --device)")
+    needed = world_size_of(item) if device_type != "cpu" else 0
+    marker = item.get_closest_marker("requires_devices")
+    if marker is not None:
+        needed = max(needed, int(marker.args[0]))
+    available = device_count(device_type)
+    if available is not None and available < needed:
+        pytest.skip(f"needs {needed} {device_type} device(s), this machine has {available}")
+
+
+def pool_key(settings: DistSettings, world_size: int) -> PoolKey:
+    return PoolKey(
+        launcher=settings.launcher,
+        world_size=world_size,
+        backend=settings.backend,
+        device_type=settings.device_type,
+        threads_per_rank=settings.threads_for(world_size),
+        rendezvous=settings.rendezvous,
+    )
+
+
+def run_item(item: pytest.Function) -> None:
+    from harness.plugin import world_size_of
+
+    settings = _settings(item)
+    world_size = world_size_of(item)
+    kwargs = {name: item.funcargs[name] for name in item._fixtureinfo.argnames}
+    deadline = deadline_for(item, settings.deadline)
+    try:
+        payload, modules = pack_call(item.obj, (), kwargs)
+    except TaskPackingError as exc:
+        pytest.fail(str(exc), pytrace=False)
+    task = RankTask(
+        test_id=item.nodeid,
+        payload=payload,
+        modules=modules,
+        sys_path=tuple(p for p in sys.path if p),
+        seed=settings.seed,
+        pg_timeout=pg_timeout_for(deadline),
+    )
+    fresh = settings.fresh_pool or item.get_closest_marker("fresh_pool") is not None
+    run = item.config.stash[POOLS_KEY].run(
+        pool_key(settings, world_size),
+        task,
+        deadline=deadline,
+        peer_grace=settings.peer_grace,
+        fresh=fresh,
+    )
+    item.stash[RUN_KEY] = run
+    for result in run.results:
+        if result.output:
+            item.add_report_section("call", f"output rank {result.rank}", result.output)
+    item.user_properties.append(
+        ("rank_outcomes", " ".join(f"{r.rank}:{r.outcome.value}" for r in run.results))
+    )
+    _conclude(item, settings, run)
+
+
+def _conclude(item: pytest.Function, settings: DistSettings, run: RunResult) -> None:
+    if run.ok:
+        if run.all_skipped:
+            pytest.skip(_joined_reasons(run, Outcome.SKIPPED))
+        if run.by_outcome(Outcome.XFAILED):
+            pytest.xfail(_joined_reasons(run, Outcome.XFAILED))
+        return
+    context = (
+        f"ws {run.world_size}, {settings.launcher}/{settings.backend}/{settings.device_type}, "
+        f"seed {run.seed}"
+    )
+    raise DistributedFailure(run, context=context, reproducer=reproducer(item, settings))
+
+
+def _joined_reasons(run: RunResult, outcome: Outcome) -> str:
+    reasons = sorted({r.reason or "" for r in run.by_outcome(outcome)})
+    return "; ".join(reasons)
+
+
+def reproducer(item: pytest.Item, settings: DistSettings) -> str:
+    args = [
+        sys.executable.rsplit("/", 1)[-1],
+        "-m",
+        "pytest",
+        item.nodeid,
+        "--launcher",
+        settings.launcher,
+        "--backend",
+        settings.backend,
+        "--device",
+        settings.device_type,
+        "--dist-seed",
+        str(settings.seed),
+    ]
+    for extra in item.config.hook.pytest_distconform_reproducer_args(config=item.config):
+        args.extend(extra)
+    return shlex.join(args)
+
+
+def decorate_report(item: pytest.Item, call: pytest.CallInfo, report: pytest.TestReport) -> None:
+    if report.when != "call":
+        return
+    run = item.stash.get(RUN_KEY, None)
+    if run is not None:
+        verdict = "xfailed" if hasattr(report, "wasxfail") else report.outcome
+        summary.record(item.config, item.nodeid, verdict, run)
+    failure = call.excinfo.value if call.excinfo is not None else None
+    if isinstance(failure, DistributedFailure) and report.failed:
+        report.longrepr = failure.text

@@ -1,0 +1,110 @@
+"""Running one task inside a rank and turning whatever happens into a RankResult."""
+
+from __future__ import annotations
+
+import random
+import sys
+import time
+import traceback
+import unittest
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from harness.outcomes import Outcome, RankResult
+from harness.rank_context import RankContext, RankLocal, active_rank_context
+from harness.task import RankTask, ensure_modules, unpack_call
+
+# Text that gloo, NCCL and the store put in errors raised because *another* rank
+# went away or never arrived. Such errors are reactions, not causes.
+_PEER_ERROR_MARKERS = (
+    "connection closed by peer",
+    "connection reset by peer",
+    "broken pipe",
+    "timed out",
+    "timeout",
+    "socket closed",
+    "aborted",
+    "remote process exited",
+    "ncclremoteerror",
+)
+
+
+def is_comm_error(exc: BaseException) -> bool:
+    if isinstance(exc, dist.DistError):
+        return True
+    text = str(exc).lower()
+    return isinstance(exc, RuntimeError) and any(marker in text for marker in _PEER_ERROR_MARKERS)
+
+
+def reseed(seed: int) -> None:
+    """The same seed on every rank: tests that need per-rank randomness derive it from rank."""
+    random.seed(seed)
+    torch.manual_seed(seed)
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        numpy.random.seed(seed % 2**32)
+
+
+def _build_rank_locals(value: Any, ctx: RankContext) -> Any:
+    return value.build(ctx) if isinstance(value, RankLocal) else value
+
+
+def run_task(task: RankTask, ctx: RankContext) -> RankResult:
+    result = RankResult(rank=ctx.rank, outcome=Outcome.PASSED, started_at=time.monotonic())
+    try:
+        with active_rank_context(ctx):
+            _call(task, ctx, result)
+    except BaseException as exc:  # every outcome, SystemExit included, is reported
+        _record_exception(result, exc)
+    finally:
+        result.finished_at = time.monotonic()
+    return result
+
+
+def _call(task: RankTask, ctx: RankContext, result: RankResult) -> None:
+    ensure_modules(task.modules, task.sys_path)
+    fn, args, kwargs = unpack_call(task.payload)
+    args = tuple(_build_rank_locals(a, ctx) for a in args)
+    kwargs = {k: _build_rank_locals(v, ctx) for k, v in kwargs.items()}
+    reseed(task.seed)
+    if dist.is_initialized():
+        dist.group.WORLD.set_timeout(timedelta(seconds=task.pg_timeout))
+    result.value = fn(*args, **kwargs)
+
+
+def _outcome_exception_kind(exc: BaseException) -> Outcome | None:
+    """Skip and xfail raised inside the rank; pytest's classes are matched only if loaded."""
+    if isinstance(exc, unittest.SkipTest):
+        return Outcome.SKIPPED
+    outcomes = sys.modules.get("_pytest.outcomes")
+    if outcomes is None:
+        return None
+    if isinstance(exc, outcomes.Skipped):
+        return Outcome.SKIPPED
+    if isinstance(exc, outcomes.XFailed):
+        return Outcome.XFAILED
+    return None
+
+
+def _record_exception(result: RankResult, exc: BaseException) -> None:
+    kind = _outcome_exception_kind(exc)
+    if kind is not None:
+        result.outcome = kind
+        result.reason = str(getattr(exc, "msg", None) or exc)
+        return
+    result.outcome = Outcome.FAILED
+    result.error_type = type(exc).__qualname__
+    result.error_message = str(getattr(exc, "msg", None) or exc)
+    result.comm_error = is_comm_error(exc)
+    tb = _user_frames(exc.__traceback__)
+    result.traceback = "".join(traceback.format_exception(type(exc), exc, tb))
+
+
+def _user_frames(tb: Any) -> Any:
+    """Drop the harness's own frames from the top of a traceback."""
+    while tb is not None and tb.tb_frame.f_globals.get("__name__") == __name__:
+        tb = tb.tb_next
+    return tb

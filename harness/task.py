@@ -1,0 +1,153 @@
+"""A unit of work shipped from the parent to every rank, and how it is (un)packed.
+
+Functions and classes are pickled by reference (``module.qualname``), so the rank
+must be able to import the modules the parent used. Under pytest's
+``--import-mode=importlib`` (or for a script's ``__main__``) those modules are not
+importable by name, so the task carries each module's file and the rank loads it
+from there under the parent's module name.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import io
+import os
+import pickle
+import pickletools
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+MAIN_ALIAS = "__distconform_main__"
+
+
+class TaskPackingError(TypeError):
+    """The test function or one of its arguments cannot be shipped to the ranks."""
+
+
+@dataclass(frozen=True)
+class ModuleRef:
+    name: str
+    path: str | None
+    is_package: bool = False
+
+
+@dataclass(frozen=True)
+class RankTask:
+    test_id: str
+    payload: bytes
+    modules: tuple[ModuleRef, ...]
+    sys_path: tuple[str, ...]
+    seed: int
+    pg_timeout: float
+    task_id: int = 0
+    extras: dict[str, Any] = field(default_factory=dict)
+
+
+def pack_call(fn: Any, args: tuple, kwargs: dict[str, Any]) -> tuple[bytes, tuple[ModuleRef, ...]]:
+    """Pickle ``fn(*args, **kwargs)`` and list the modules needed to unpickle it."""
+    try:
+        payload = pickle.dumps((fn, args, kwargs), protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception as exc:
+        names = ", ".join(_unpicklable_names(args, kwargs)) or getattr(fn, "__qualname__", fn)
+        raise TaskPackingError(
+            f"cannot ship to the ranks: {names} could not be pickled ({exc}). Test functions "
+            f"must be defined at module level, and fixture and parameter values must be "
+            f"picklable; build rank-local objects (groups, meshes, models) inside the test, "
+            f"or return a harness.RankLocal from the fixture."
+        ) from exc
+    return payload, _module_refs(payload)
+
+
+def _unpicklable_names(args: tuple, kwargs: dict[str, Any]) -> list[str]:
+    bad = []
+    for label, value in [*((f"argument {i}", v) for i, v in enumerate(args)), *kwargs.items()]:
+        try:
+            pickle.dumps(value)
+        except Exception:
+            bad.append(f"{label!s} ({type(value).__name__})")
+    return bad
+
+
+def _module_refs(payload: bytes) -> tuple[ModuleRef, ...]:
+    """Every loaded module whose name appears as a string in the pickle stream.
+
+    Over-inclusion is harmless (an importable module is imported), and this finds
+    the modules of protocol-4 ``STACK_GLOBAL`` references without tracking the stack.
+    """
+    strings: set[str] = set()
+    for opcode, arg, _ in pickletools.genops(io.BytesIO(payload)):
+        if isinstance(arg, str) and opcode.name in {
+            "SHORT_BINUNICODE",
+            "BINUNICODE",
+            "UNICODE",
+            "GLOBAL",
+            "BINUNICODE8",
+        }:
+            strings.add(arg.split(" ")[0] if opcode.name == "GLOBAL" else arg)
+    refs: dict[str, ModuleRef] = {}
+    for name in sorted(strings):
+        if name not in sys.modules or name in sys.builtin_module_names:
+            continue
+        parts = name.split(".")
+        for depth in range(1, len(parts) + 1):
+            prefix = ".".join(parts[:depth])
+            module = sys.modules.get(prefix)
+            if module is None or prefix in refs:
+                continue
+            refs[prefix] = ModuleRef(
+                name=prefix,
+                path=getattr(module, "__file__", None),
+                is_package=hasattr(module, "__path__"),
+            )
+    return tuple(refs.values())
+
+
+# --- rank side -----------------------------------------------------------------------
+
+
+def ensure_modules(refs: tuple[ModuleRef, ...], sys_path: tuple[str, ...]) -> None:
+    """Make every module the payload references importable under the parent's name."""
+    for entry in reversed(sys_path):
+        if entry not in sys.path:
+            sys.path.insert(0, entry)
+    for ref in refs:
+        if ref.name == "__main__":
+            _load_from_file(MAIN_ALIAS, ref.path, is_package=False)
+            continue
+        if ref.name in sys.modules:
+            continue
+        try:
+            importlib.import_module(ref.name)
+        except ImportError:
+            if ref.path is None:
+                raise
+            _load_from_file(ref.name, ref.path, ref.is_package)
+
+
+def _load_from_file(name: str, path: str | None, is_package: bool) -> None:
+    if name in sys.modules or path is None:
+        return
+    locations = [os.path.dirname(path)] if is_package else None
+    spec = importlib.util.spec_from_file_location(name, path, submodule_search_locations=locations)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot load module {name!r} from {path}")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[name]
+        raise
+
+
+class _RankUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if module == "__main__":
+            module = MAIN_ALIAS
+        return super().find_class(module, name)
+
+
+def unpack_call(payload: bytes) -> tuple[Any, tuple, dict[str, Any]]:
+    return _RankUnpickler(io.BytesIO(payload)).load()
