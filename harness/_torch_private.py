@@ -11,7 +11,9 @@ underscore attribute of torch. ``torch.testing._internal`` is never imported.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 
@@ -56,3 +58,176 @@ def iter_non_default_groups() -> Iterator[torch.distributed.ProcessGroup]:
     for group in live_process_groups():
         if group is not default:
             yield group
+
+
+# --- thread ranks: a thread-local c10d world and thread-isolation mode (harness/threads) ---
+#
+# c10d keeps its process-group bookkeeping in one module-level object,
+# ``distributed_c10d._world`` (an instance of the private ``_World``), and the C++ group
+# registry that functional collectives resolve group names through is process-wide. N rank
+# threads in one process therefore overwrite each other's default group unless (1) the
+# Python world becomes per-thread and (2) the C++ registry is switched to per-thread
+# ("thread isolation mode"). Both are private; this section is the only place that touches
+# them. The replacement world falls back to the original one for every thread that is not
+# bound to a private world, so the main thread (and any non-rank thread) keeps seeing the
+# ordinary process-wide c10d state while it is installed.
+
+# The properties of torch 2.13's ``_World``. If torch adds or removes one, the per-thread
+# world below would silently share (or miss) state: refuse instead.
+_AUDITED_C10D_WORLD_PROPERTIES = frozenset(
+    {
+        "default_pg",
+        "pg_map",
+        "pg_names",
+        "pg_group_ranks",
+        "pg_backend_config",
+        "group_count",
+        "tags_to_pg",
+        "pg_to_tag",
+        "pg_coalesce_state",
+        "comms",
+        "pg_config_info",
+    }
+)
+# Stored per thread; ``pg_config_info`` is derived from them by ``_World`` itself.
+_PER_THREAD_WORLD_FIELDS = (
+    "default_pg",
+    "pg_map",
+    "pg_names",
+    "pg_group_ranks",
+    "pg_backend_config",
+    "group_count",
+    "tags_to_pg",
+    "pg_to_tag",
+    "pg_coalesce_state",
+    "comms",
+)
+_WRITABLE_WORLD_FIELDS = ("default_pg", "group_count")
+
+
+class _RankC10dState:
+    """One rank thread's c10d bookkeeping: the fields a fresh ``_World`` would hold."""
+
+    def __init__(self) -> None:
+        self.default_pg = None
+        self.pg_map: dict = {}
+        self.pg_names: dict = {}
+        self.pg_group_ranks: dict = {}
+        self.pg_backend_config: dict = {}
+        self.group_count = 0
+        self.tags_to_pg: dict = {}
+        self.pg_to_tag: dict = {}
+        self.pg_coalesce_state: dict = {}
+        self.comms: list = []
+
+
+_thread_world_lock = threading.Lock()
+_installed_thread_world: object | None = None
+_replaced_c10d_world: object | None = None
+_thread_world_installs = 0
+_autograd_multithreading_before = True
+
+
+def _thread_local_world_class() -> type:
+    import threading
+
+    from torch.distributed import distributed_c10d
+
+    base = distributed_c10d._World
+    found = {name for name, value in vars(base).items() if isinstance(value, property)}
+    if found != _AUDITED_C10D_WORLD_PROPERTIES:
+        raise PrivateTorchAccessError(
+            "harness/_torch_private.py:install_thread_local_c10d_world: torch's c10d _World "
+            f"now has properties {sorted(found)}, audited were "
+            f"{sorted(_AUDITED_C10D_WORLD_PROPERTIES)}; re-audit the per-thread world."
+        )
+
+    def field(name: str) -> property:
+        def get(self: Any) -> Any:
+            return getattr(self._target(), name)
+
+        def set_(self: Any, value: Any) -> None:
+            setattr(self._target(), name, value)
+
+        return property(get, set_ if name in _WRITABLE_WORLD_FIELDS else None)
+
+    def init(self: Any, fallback: object) -> None:
+        # ``_World.__init__`` is deliberately not called: all state lives in the targets.
+        self._fallback = fallback
+        self._local = threading.local()
+
+    def target(self: Any) -> Any:
+        return getattr(self._local, "state", None) or self._fallback
+
+    namespace: dict = {"__init__": init, "_target": target}
+    namespace.update({name: field(name) for name in _PER_THREAD_WORLD_FIELDS})
+    return type("_ThreadLocalC10dWorld", (base,), namespace)
+
+
+def install_thread_local_c10d_world() -> None:
+    """Make c10d's world per-thread for bound threads (reference counted; see uninstall).
+
+    Also disables autograd's device threads (a public switch) so that backward hooks that
+    issue collectives run on the rank thread that owns the graph.
+    """
+    global _installed_thread_world, _replaced_c10d_world, _thread_world_installs
+    global _autograd_multithreading_before
+    require_audited_torch("install_thread_local_c10d_world")
+    from torch.distributed import distributed_c10d
+
+    with _thread_world_lock:
+        if _thread_world_installs == 0:
+            world = _thread_local_world_class()(distributed_c10d._world)
+            _replaced_c10d_world = distributed_c10d._world
+            distributed_c10d._world = world
+            _installed_thread_world = world
+            torch._C._distributed_c10d._set_thread_isolation_mode(True)
+            _autograd_multithreading_before = torch.autograd.is_multithreading_enabled()
+            torch.autograd.set_multithreading_enabled(False)
+        _thread_world_installs += 1
+
+
+def uninstall_thread_local_c10d_world() -> None:
+    """Undo one install; the last one restores c10d's world, isolation mode and autograd."""
+    global _installed_thread_world, _replaced_c10d_world, _thread_world_installs
+    require_audited_torch("uninstall_thread_local_c10d_world")
+    from torch.distributed import distributed_c10d
+
+    with _thread_world_lock:
+        if _thread_world_installs == 0:
+            raise RuntimeError("uninstall_thread_local_c10d_world without a matching install")
+        _thread_world_installs -= 1
+        if _thread_world_installs == 0:
+            if distributed_c10d._world is not _installed_thread_world:
+                # Someone replaced the world after us; restoring ours would clobber theirs.
+                raise RuntimeError(
+                    "c10d's world was replaced while the thread-local one was installed"
+                )
+            distributed_c10d._world = _replaced_c10d_world
+            _installed_thread_world = _replaced_c10d_world = None
+            torch._C._distributed_c10d._set_thread_isolation_mode(False)
+            torch.autograd.set_multithreading_enabled(_autograd_multithreading_before)
+
+
+def thread_local_c10d_world_installed() -> bool:
+    require_audited_torch("thread_local_c10d_world_installed")
+    from torch.distributed import distributed_c10d
+
+    return _thread_world_installs > 0 and distributed_c10d._world is _installed_thread_world
+
+
+def bind_thread_to_fresh_c10d_world() -> None:
+    """Give the calling thread its own empty c10d world (needs the thread-local world)."""
+    require_audited_torch("bind_thread_to_fresh_c10d_world")
+    world = _installed_thread_world
+    if world is None:
+        raise RuntimeError("bind_thread_to_fresh_c10d_world needs install_thread_local_c10d_world")
+    world._local.state = _RankC10dState()  # type: ignore[attr-defined]
+
+
+def unbind_thread_c10d_world() -> None:
+    """Drop the calling thread's private world; it sees the process-wide one again."""
+    require_audited_torch("unbind_thread_c10d_world")
+    world = _installed_thread_world
+    if world is not None:
+        world._local.state = None  # type: ignore[attr-defined]

@@ -1,0 +1,366 @@
+"""Run a function on N rank threads of the current process, with the ``threaded`` backend.
+
+    with ThreadRunner(world_size=4) as runner:
+        result = runner.run(fn, arg, deadline=30.0)
+    result.raise_on_failure()
+    result.values  # [fn's return value on rank 0, 1, 2, 3]
+
+Each run starts N fresh threads that each call ``init_process_group("threaded")`` on a
+world shared only by that run, run ``fn(*args, **kwargs)``, and destroy their groups.
+Threads are cheap next to the rest of a test; a fresh world per run means nothing (a
+stray async collective, a subgroup, an abort flag) leaks from one run into the next.
+
+Isolation (see :mod:`harness.threads.world` for why one rank runs at a time):
+ * RNG: every rank starts from ``seed`` for torch's CPU generator, ``random`` and numpy's
+   legacy global generator, and owns its stream; the caller's states are restored after.
+ * Failure: the first exception on a rank aborts the run: every rank waiting in (or later
+   issuing) a collective raises ``RankAbortedError("... aborted because rank N failed")``
+   at once, and is reported as aborted-by-peer, not as a failure of its own.
+ * Deadlock: when every unfinished rank waits for something no rank can provide, the run
+   aborts immediately with ``CollectiveDeadlockError`` (ranks reported as hung).
+ * Hang: a rank that does not finish by the deadline (it spins or blocks outside a
+   collective while holding the baton) is reported as hung with its Python stack; the
+   run is abandoned (waiting ranks are released) and the runner marks itself unusable:
+   the thread cannot be killed, so the caller should replace the host process.
+
+The thread-local c10d world is installed while the runner is open and uninstalled by
+``close()``; threads that are not rank threads keep seeing the ordinary c10d state even
+while it is installed.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import timedelta
+from enum import StrEnum
+from typing import Any
+
+import torch.distributed as dist
+
+from harness import _torch_private
+from harness.threads.backend import BACKEND_NAME, ThreadedProcessGroup, register_threaded_backend
+from harness.threads.store import RunStore
+from harness.threads.world import (
+    DONE,
+    CollectiveDeadlockError,
+    RankAbortedError,
+    ThreadWorld,
+    bind_rank,
+)
+
+# Ranks released by an abandoned run get this long to unwind before being called hung.
+_UNWIND_GRACE_S = 1.0
+
+
+class RankOutcome(StrEnum):
+    # Values match harness.outcomes.Outcome so a caller can map them one to one.
+    PASSED = "passed"
+    FAILED = "failed"
+    SKIPPED = "skipped"
+    HUNG = "hung"
+    ABORTED_BY_PEER = "aborted-by-peer"
+
+
+class RunnerUnusableError(RuntimeError):
+    """The runner left a hung thread behind; replace it (and ideally the process)."""
+
+
+class ThreadRunError(AssertionError):
+    """Raised by :meth:`RunResult.raise_on_failure`; the message is the whole report."""
+
+
+@dataclass
+class RankRun:
+    """One rank's account of one run. Times are ``time.monotonic()``."""
+
+    rank: int
+    outcome: RankOutcome
+    started_at: float
+    finished_at: float | None = None
+    value: Any = None
+    error: BaseException | None = None
+    traceback: str | None = None  # formatted exception (or where a hung rank waited)
+    stack: str | None = None  # Python stack of a rank still running at the deadline
+
+    @property
+    def duration(self) -> float | None:
+        return None if self.finished_at is None else self.finished_at - self.started_at
+
+    def summary(self) -> str:
+        if self.error is not None:
+            lines = str(self.error).strip().splitlines()
+            return f"{type(self.error).__name__}: {lines[0] if lines else ''}"
+        if self.outcome is RankOutcome.HUNG:
+            return "still running at the deadline"
+        return ""
+
+
+@dataclass
+class RunResult:
+    world_size: int
+    ranks: list[RankRun]
+    duration: float
+    hung: bool = False
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return all(r.outcome is RankOutcome.PASSED for r in self.ranks)
+
+    @property
+    def values(self) -> list[Any]:
+        return [r.value for r in self.ranks]
+
+    def primary_failures(self) -> list[RankRun]:
+        """Failed/hung ranks, earliest first: the first one is the root cause to show."""
+        bad = [r for r in self.ranks if r.outcome in (RankOutcome.FAILED, RankOutcome.HUNG)]
+        return sorted(bad, key=lambda r: r.finished_at if r.finished_at is not None else 1e300)
+
+    def report(self) -> str:
+        lines = [f"threaded run on {self.world_size} ranks ({self.duration:.3f} s)"]
+        lines += [f"  rank {r.rank}: {r.outcome} {r.summary()}".rstrip() for r in self.ranks]
+        lines += self.notes
+        for r in self.primary_failures() or [r for r in self.ranks if r.error]:
+            lines.append(f"--- rank {r.rank} ({r.outcome}) ---")
+            lines.append((r.traceback or "").rstrip())
+            if r.stack:
+                lines.append("stack at the deadline:\n" + r.stack.rstrip())
+        return "\n".join(lines)
+
+    def raise_on_failure(self) -> None:
+        if not self.ok:
+            raise ThreadRunError(self.report())
+
+
+def _is_skip(error: BaseException) -> bool:
+    # pytest.skip raises _pytest.outcomes.Skipped; unittest uses SkipTest.
+    names = {c.__name__ for c in type(error).__mro__}
+    return "Skipped" in names or "SkipTest" in names
+
+
+def _is_secondary(error: BaseException) -> bool:
+    seen: BaseException | None = error
+    while seen is not None:
+        if isinstance(seen, RankAbortedError):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
+class ThreadRunner:
+    """Runs functions on ``world_size`` rank threads; see the module docstring."""
+
+    def __init__(self, world_size: int, *, seed: int = 0, deadline: float = 120.0) -> None:
+        if world_size < 1:
+            raise ValueError(f"world_size must be positive, got {world_size}")
+        self.world_size = world_size
+        self.seed = seed
+        self.deadline = deadline
+        self.unusable_reason: str | None = None
+        self._zombies: list[threading.Thread] = []
+        register_threaded_backend()
+        _torch_private.install_thread_local_c10d_world()
+        self._installed = True
+
+    @property
+    def usable(self) -> bool:
+        return self._installed and self.unusable_reason is None
+
+    def __enter__(self) -> ThreadRunner:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Uninstall the thread-local c10d world (idempotent).
+
+        Hung threads left by an abandoned run stay alive (threads cannot be killed); they
+        are daemon threads, and their c10d cleanup is skipped so they cannot touch the
+        process-wide c10d state after this.
+        """
+        if self._installed:
+            self._installed = False
+            _torch_private.uninstall_thread_local_c10d_world()
+
+    def run(
+        self, fn: Callable[..., Any], *args: Any, deadline: float | None = None, **kwargs: Any
+    ) -> RunResult:
+        """Run ``fn(*args, **kwargs)`` on every rank; never raises for a rank's failure."""
+        if not self._installed:
+            raise RunnerUnusableError("ThreadRunner is closed")
+        if self.unusable_reason is not None:
+            raise RunnerUnusableError(self.unusable_reason)
+        limit = self.deadline if deadline is None else deadline
+        world = ThreadWorld(self.world_size, self.seed)
+        store = RunStore(world, timeout=timedelta(seconds=limit))
+        runs: list[RankRun | None] = [None] * self.world_size
+        excepthook = sys.excepthook  # init_process_group wraps it on every call
+        start = time.monotonic()
+        threads = [
+            threading.Thread(
+                target=self._rank_main,
+                args=(world, store, rank, runs, fn, args, kwargs, limit),
+                name=f"distconform-rank{rank}",
+                daemon=True,  # a hung rank must not keep the interpreter alive at exit
+            )
+            for rank in range(self.world_size)
+        ]
+        try:
+            for thread in threads:
+                thread.start()
+            finished = self._wait(world, start + limit)
+            result = RunResult(self.world_size, [], 0.0)
+            if not finished:
+                self._abandon(world, threads, runs, limit, result)
+            for thread in threads:
+                if not thread.is_alive():
+                    thread.join()
+        finally:
+            world.rng.give_back_to_caller()
+            sys.excepthook = excepthook
+        result.ranks = [r for r in runs if r is not None]
+        result.duration = time.monotonic() - start
+        leftovers = world.pending_meetings()
+        if leftovers and result.ok:
+            # A collective some ranks issued and never waited for: the run "passed" but
+            # the ranks disagree on what they did, which a process backend would hang on.
+            for run in result.ranks:
+                run.outcome = RankOutcome.FAILED
+            result.notes.append(
+                "unmatched collectives at the end of the run: " + "; ".join(leftovers)
+            )
+        return result
+
+    def _wait(self, world: ThreadWorld, end: float) -> bool:
+        with world.cond:
+            while not all(s == DONE for s in world.state):
+                remaining = end - time.monotonic()
+                if remaining <= 0:
+                    return False
+                world.cond.wait(remaining)
+        return True
+
+    def _abandon(
+        self,
+        world: ThreadWorld,
+        threads: list[threading.Thread],
+        runs: list[RankRun | None],
+        limit: float,
+        result: RunResult,
+    ) -> None:
+        frames = sys._current_frames()
+        stacks = {
+            rank: "".join(traceback.format_stack(frames[t.ident]))
+            for rank, t in enumerate(threads)
+            if t.ident in frames and t.is_alive()
+        }
+        states = world.describe_states()
+        world.abandon(f"the run passed its {limit:g} s deadline")
+        grace_end = time.monotonic() + _UNWIND_GRACE_S
+        for thread in threads:
+            thread.join(max(0.0, grace_end - time.monotonic()))
+        result.hung = True
+        now = time.monotonic()
+        for rank, thread in enumerate(threads):
+            run = runs[rank]
+            if thread.is_alive() or run is None or run.finished_at is None:
+                # A fresh record: the zombie thread keeps mutating its own one.
+                runs[rank] = RankRun(
+                    rank,
+                    RankOutcome.HUNG,
+                    run.started_at if run is not None else now,
+                    now,
+                    traceback=f"rank {rank} {states[rank]} at the {limit:g} s deadline",
+                    stack=stacks.get(rank),
+                )
+                if thread.is_alive():
+                    self._zombies.append(thread)
+            elif rank in stacks:
+                run.stack = stacks[rank]
+        if self._zombies:
+            names = ", ".join(t.name for t in self._zombies if t.is_alive())
+            self.unusable_reason = (
+                f"a previous run hung and left rank threads alive ({names}); "
+                "replace this runner and its process"
+            )
+
+    @staticmethod
+    def _rank_main(
+        world: ThreadWorld,
+        store: RunStore,
+        rank: int,
+        runs: list[RankRun | None],
+        fn: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        limit: float,
+    ) -> None:
+        bind_rank(world, rank)
+        _torch_private.bind_thread_to_fresh_c10d_world()
+        world.enter(rank)
+        run = runs[rank] = RankRun(rank, RankOutcome.PASSED, time.monotonic())
+        initialized = False
+        try:
+            dist.init_process_group(
+                backend=BACKEND_NAME,
+                store=store,
+                rank=rank,
+                world_size=world.world_size,
+                timeout=timedelta(seconds=limit),
+            )
+            initialized = True
+            if not isinstance(dist.group.WORLD, ThreadedProcessGroup):
+                raise RuntimeError(
+                    f"'{BACKEND_NAME}' created {type(dist.group.WORLD).__name__}, not "
+                    "harness.threads' backend: another module re-registered the name"
+                )
+            run.value = fn(*args, **kwargs)
+        except BaseException as error:
+            _record_error(run, error)
+            if run.outcome is not RankOutcome.ABORTED_BY_PEER:
+                world.fail(rank, error)
+        finally:
+            if initialized and not world.abandoned:
+                try:
+                    dist.destroy_process_group()
+                except BaseException as error:
+                    if run.error is None:
+                        _record_error(run, error)
+                        world.fail(rank, error)
+            run.finished_at = time.monotonic()
+            _torch_private.unbind_thread_c10d_world()
+            bind_rank(None)
+            world.leave(rank)
+
+
+def _record_error(run: RankRun, error: BaseException) -> None:
+    run.error = error
+    run.traceback = "".join(traceback.format_exception(error))
+    run.finished_at = time.monotonic()
+    if isinstance(error, CollectiveDeadlockError):
+        run.outcome = RankOutcome.HUNG
+    elif _is_secondary(error):
+        run.outcome = RankOutcome.ABORTED_BY_PEER
+    elif _is_skip(error):
+        run.outcome = RankOutcome.SKIPPED
+    else:
+        run.outcome = RankOutcome.FAILED
+
+
+def run_threaded(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    seed: int = 0,
+    deadline: float = 120.0,
+    **kwargs: Any,
+) -> RunResult:
+    """One-shot: open a runner, run ``fn`` once, close it."""
+    with ThreadRunner(world_size, seed=seed, deadline=deadline) as runner:
+        return runner.run(fn, *args, **kwargs)

@@ -1,0 +1,375 @@
+"""Shared state of one threaded run: the baton, rank states, collective meetings, abort.
+
+Why a baton. torch's default CPU generator, Python's ``random`` and numpy's legacy global
+generator are process-wide, so N rank threads running freely draw from one interleaved
+stream: what rank 1 gets depends on scheduling (the known defect of torch's
+MultiThreadedTestCase, pytorch#137270). Here exactly one rank thread runs at a time: it
+holds the baton, and gives it up only where it would block anyway (waiting for a collective,
+a point-to-point peer or a store key) or when it finishes. On each hand-over the generator
+states of the outgoing rank are saved and the incoming rank's are restored, so every rank
+sees its own uninterrupted stream, identical to what a separate process would see,
+whatever the interleaving. Saving is lazy (only when a *different* rank takes the baton),
+so a rank that re-takes the baton after its own wait pays nothing.
+
+The cost is parallelism, which on a 2-core CPU box running small test models is worth
+little; the gain is determinism and correctness of every RNG-dependent test. A rank thread
+that blocks on anything else (``time.sleep``, a lock, I/O that never completes) keeps the
+baton and stalls the others: the runner's deadline reports it as hung, with stacks.
+
+Because only the baton holder runs and every blocking point is known, a global deadlock is
+detected immediately: when no rank holds or waits for the baton and every unfinished rank
+waits for something that is not ready, nothing can ever change, so the run is aborted with
+a description of what each rank waits for (no need to wait for the deadline).
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+# Rank thread states (plain ints: checked on every hand-over).
+STARTING = 0  # thread created, not yet holding the baton for the first time
+RUNNABLE = 1  # waiting for the baton
+RUNNING = 2  # holds the baton
+BLOCKED = 3  # gave the baton up, waits for a collective / peer / store key
+DONE = 4
+
+_STATE_NAMES = {STARTING: "starting", RUNNABLE: "runnable", RUNNING: "running"}
+
+
+class RankAbortedError(RuntimeError):
+    """A rank's pending (or next) collective was released because another rank failed."""
+
+    def __init__(self, message: str, failed_rank: int | None) -> None:
+        super().__init__(message)
+        self.failed_rank = failed_rank
+
+
+class CollectiveDeadlockError(RuntimeError):
+    """Every unfinished rank waits for something no rank can provide any more."""
+
+
+class CollectiveMismatchError(RuntimeError):
+    """Ranks of one group issued different collectives at the same position."""
+
+
+class RunAbandonedError(RuntimeError):
+    """The run passed its deadline; waiting ranks are released without the baton."""
+
+
+class BatonError(RuntimeError):
+    """A collective was issued from a thread that is not the running rank thread."""
+
+
+_context = threading.local()
+
+
+def current_rank() -> tuple[ThreadWorld, int] | None:
+    """(world, global rank) of the calling rank thread, or None outside rank threads."""
+    world = getattr(_context, "world", None)
+    return None if world is None else (world, _context.rank)
+
+
+def bind_rank(world: ThreadWorld | None, rank: int = -1) -> None:
+    _context.world = world
+    _context.rank = rank
+
+
+class _RngStates:
+    """Per-rank copies of the process-global generator states (see module docstring)."""
+
+    def __init__(self, world_size: int, seed: int) -> None:
+        self._numpy = sys.modules.get("numpy")
+        self._caller = self._capture()
+        torch.manual_seed(seed)
+        random.seed(seed)
+        if self._numpy is not None:
+            self._numpy.random.seed(seed)
+        seeded = self._capture()
+        self._restore(self._caller)
+        # States are immutable snapshots (restoring copies them), so ranks may share one.
+        self._slots = [seeded] * world_size
+        self._live: int | None = None  # whose state is in the generators now; None: caller
+
+    def _capture(self) -> tuple[Any, ...]:
+        np_state = self._numpy.random.get_state() if self._numpy is not None else None
+        return torch.get_rng_state(), random.getstate(), np_state
+
+    def _restore(self, state: tuple[Any, ...]) -> None:
+        torch.set_rng_state(state[0])
+        random.setstate(state[1])
+        if state[2] is not None:
+            self._numpy.random.set_state(state[2])  # type: ignore[union-attr]
+
+    def switch_to(self, rank: int) -> None:
+        if self._live == rank:
+            return
+        if self._live is not None:
+            self._slots[self._live] = self._capture()
+        self._restore(self._slots[rank])
+        self._live = rank
+
+    def give_back_to_caller(self) -> None:
+        """Put the caller's generator states back; the run leaves them as it found them."""
+        if self._live is not None:
+            self._slots[self._live] = self._capture()
+            self._live = None
+        self._restore(self._caller)
+
+
+class Meeting:
+    """One collective (or one send/recv pair) being assembled from its ranks' payloads."""
+
+    __slots__ = ("done", "error", "futures", "op", "params", "payloads", "size", "what")
+
+    def __init__(self, op: str, params: tuple[Any, ...], size: int, what: str) -> None:
+        self.op = op
+        self.params = params
+        self.size = size
+        self.what = what
+        self.payloads: dict[int, Any] = {}
+        self.done = False
+        self.error: BaseException | None = None
+        self.futures: list[tuple[torch.futures.Future, Any]] = []
+
+    def settled(self) -> bool:
+        return self.done or self.error is not None
+
+
+class ThreadWorld:
+    """Everything the rank threads of one run share. One instance per run."""
+
+    def __init__(self, world_size: int, seed: int = 0) -> None:
+        self.world_size = world_size
+        self.cond = threading.Condition(threading.Lock())
+        self.owner: int | None = None
+        self.state = [STARTING] * world_size
+        self._waiting_for: list[Callable[[], bool] | None] = [None] * world_size
+        self._blocked_on: list[str | None] = [None] * world_size
+        self.abort_error: BaseException | None = None
+        self.failed_rank: int | None = None
+        self.abandoned = False
+        self.rng = _RngStates(world_size, seed)
+        # Meetings of each group, keyed by group name then by position (an int for
+        # collectives, a tuple for point-to-point pairs).
+        self._meetings: dict[str, dict[Any, Meeting]] = {}
+        self._p2p_counts: dict[tuple[Any, ...], int] = {}
+        self.store_data: dict[str, bytes] = {}
+
+    # --- the baton ---------------------------------------------------------------------
+
+    def _acquire(self, rank: int) -> None:
+        self.state[rank] = RUNNABLE
+        while self.owner is not None and not self.abandoned:
+            self.cond.wait()
+        if self.abandoned:
+            # After a hang the holder may never give the baton back; unwinding ranks run
+            # without it (their RNG streams no longer matter).
+            self.state[rank] = RUNNING
+            return
+        self.owner = rank
+        self.state[rank] = RUNNING
+        self.rng.switch_to(rank)
+
+    def _release(self, rank: int, new_state: int) -> None:
+        if self.owner == rank:
+            self.owner = None
+        self.state[rank] = new_state
+        self.cond.notify_all()
+        self._detect_deadlock()
+
+    def enter(self, rank: int) -> None:
+        """Called first thing on a rank thread: wait for the baton."""
+        with self.cond:
+            self._acquire(rank)
+
+    def leave(self, rank: int) -> None:
+        """Called last thing on a rank thread."""
+        with self.cond:
+            self._release(rank, DONE)
+
+    def _check_running(self, rank: int, what: str) -> None:
+        if self.owner != rank and not self.abandoned:
+            raise BatonError(
+                f"{what} issued by rank {rank} from a thread that does not hold the baton "
+                f"(thread {threading.current_thread().name!r}); collectives of a threaded "
+                f"rank must be issued from that rank's own thread"
+            )
+
+    # --- abort ---------------------------------------------------------------------------
+
+    def fail(self, rank: int, error: BaseException) -> None:
+        """A rank failed: release every pending and future wait of the other ranks."""
+        with self.cond:
+            if self.abort_error is None:
+                self.abort_error = error
+                self.failed_rank = rank
+                self.cond.notify_all()
+
+    def abandon(self, reason: str) -> None:
+        """Deadline passed: release waiting ranks, even without the baton."""
+        with self.cond:
+            if self.abort_error is None:
+                self.abort_error = RunAbandonedError(reason)
+            self.abandoned = True
+            self.cond.notify_all()
+
+    def _aborted(self, what: str) -> BaseException:
+        error = self.abort_error
+        if isinstance(error, CollectiveDeadlockError):
+            return CollectiveDeadlockError(str(error))
+        if isinstance(error, RunAbandonedError):
+            return RankAbortedError(f"{what} aborted: {error}", None)
+        return RankAbortedError(
+            f"{what} aborted because rank {self.failed_rank} failed: "
+            f"{type(error).__name__}: {error}",
+            self.failed_rank,
+        )
+
+    def check_alive(self, rank: int, what: str) -> None:
+        """Raise at once if the run is aborted: a failed peer will never join anything."""
+        if self.abort_error is not None:
+            raise self._aborted(what)
+
+    def _detect_deadlock(self) -> None:
+        if self.owner is not None or self.abort_error is not None:
+            return
+        blocked = []
+        for rank, state in enumerate(self.state):
+            if state in (STARTING, RUNNABLE, RUNNING):
+                return
+            if state == BLOCKED:
+                ready = self._waiting_for[rank]
+                if ready is None or ready():
+                    return  # about to wake up
+                blocked.append(rank)
+        if not blocked:
+            return
+        lines = []
+        for rank, state in enumerate(self.state):
+            if state == DONE:
+                lines.append(f"  rank {rank}: finished")
+            else:
+                lines.append(f"  rank {rank}: waits in {self._blocked_on[rank]}")
+        self.abort_error = CollectiveDeadlockError(
+            "deadlock: every unfinished rank waits for a collective that can never "
+            "complete\n" + "\n".join(lines)
+        )
+        self.cond.notify_all()
+
+    # --- blocking --------------------------------------------------------------------------
+
+    def wait_until(
+        self, rank: int, ready: Callable[[], bool], what: str, timeout: float | None = None
+    ) -> None:
+        """Block rank (baton given up) until ``ready()``; raise if the run aborts first."""
+        with self.cond:
+            self._check_running(rank, what)
+            if ready():
+                return
+            if self.abort_error is not None:
+                raise self._aborted(what)
+            self._waiting_for[rank] = ready
+            self._blocked_on[rank] = what
+            self._release(rank, BLOCKED)
+            end = None if timeout is None else time.monotonic() + timeout
+            timed_out = False
+            try:
+                while not ready() and self.abort_error is None:
+                    remaining = None if end is None else end - time.monotonic()
+                    if remaining is not None and remaining <= 0:
+                        timed_out = True
+                        break
+                    self.cond.wait(remaining)
+            finally:
+                self._waiting_for[rank] = None
+                self._blocked_on[rank] = None
+                self._acquire(rank)
+            if ready():
+                return
+            if timed_out:
+                raise TimeoutError(f"{what} did not complete within {timeout} s")
+            raise self._aborted(what)
+
+    # --- meetings --------------------------------------------------------------------------
+
+    def join(
+        self,
+        rank: int,
+        group: str,
+        key: Any,
+        op: str,
+        params: tuple[Any, ...],
+        size: int,
+        slot: int,
+        payload: Any,
+        execute: Callable[[dict[int, Any]], None],
+        what: str,
+    ) -> Meeting:
+        """Deposit this rank's payload; the last arrival moves the data for everyone."""
+        with self.cond:
+            self._check_running(rank, what)
+            if self.abort_error is not None:
+                raise self._aborted(what)
+            meetings = self._meetings.setdefault(group, {})
+            meeting = meetings.get(key)
+            if meeting is None:
+                meeting = meetings[key] = Meeting(op, params, size, what)
+            elif meeting.error is None and (meeting.op, meeting.params) != (op, params):
+                meeting.error = CollectiveMismatchError(
+                    f"group {group!r} position {key}: ranks disagree on the collective: "
+                    f"{meeting.what} with {meeting.params} vs {what} with {params}"
+                )
+                self.cond.notify_all()
+            if meeting.error is not None:
+                raise type(meeting.error)(str(meeting.error))
+            if slot in meeting.payloads:
+                raise RuntimeError(f"{what}: slot {slot} joined twice (internal error)")
+            meeting.payloads[slot] = payload
+            if len(meeting.payloads) == meeting.size:
+                del meetings[key]
+                try:
+                    with torch.no_grad():
+                        execute(meeting.payloads)
+                except BaseException as error:
+                    meeting.error = error
+                else:
+                    meeting.done = True
+                    for future, value in meeting.futures:
+                        future.set_result(value)
+                self.cond.notify_all()
+            return meeting
+
+    def next_p2p_index(self, key: tuple[Any, ...]) -> int:
+        """n-th send from src to dst with a tag pairs with the n-th matching recv."""
+        with self.cond:
+            index = self._p2p_counts.get(key, 0)
+            self._p2p_counts[key] = index + 1
+            return index
+
+    def pending_meetings(self) -> list[str]:
+        """Collectives some ranks issued and others never joined (for end-of-run checks)."""
+        with self.cond:
+            return [
+                f"{m.what} on group {group!r}: joined by {sorted(m.payloads)} of {m.size}"
+                for group, meetings in self._meetings.items()
+                for m in meetings.values()
+                if m.error is None
+            ]
+
+    def describe_states(self) -> dict[int, str]:
+        with self.cond:
+            return {
+                rank: (
+                    f"waits in {self._blocked_on[rank]}"
+                    if state == BLOCKED
+                    else ("finished" if state == DONE else _STATE_NAMES[state])
+                )
+                for rank, state in enumerate(self.state)
+            }
