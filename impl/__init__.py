@@ -1,0 +1,1 @@
+"""Implementations under test: the bundled reference and adapters, behind ``impl.api``."""

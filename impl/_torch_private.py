@@ -1,0 +1,83 @@
+"""The one audited place where ``impl/`` touches private PyTorch names.
+
+Each accessor exists because torch 2.13 has no public API for what ``impl/`` needs, checks the
+installed torch version first, and refuses to run on a version nobody audited it on, naming this
+file and what to re-check. Nothing else in ``impl/`` imports a private torch module or reads an
+underscore attribute of a torch object; ``torch.testing._internal`` is never imported.
+
+Mirrors ``harness/_torch_private.py``; the two are separate because ``impl/`` must not depend on
+the harness (it is usable without pytest).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+AUDITED_TORCH = ((2, 13),)
+
+
+class PrivateTorchAccessError(RuntimeError):
+    """A private torch name is used on a torch version nobody audited it on."""
+
+
+def installed_torch_version() -> tuple[int, int]:
+    major, minor = torch.__version__.split("+")[0].split(".")[:2]
+    return int(major), int(minor)
+
+
+def require_audited_torch(accessor: str) -> None:
+    version = installed_torch_version()
+    if version not in AUDITED_TORCH:
+        audited = ", ".join(f"{a}.{b}" for a, b in AUDITED_TORCH)
+        raise PrivateTorchAccessError(
+            f"impl/_torch_private.py:{accessor} reaches a private torch name audited for "
+            f"torch {audited}, but torch {torch.__version__} is installed. Check that the name "
+            f"still means the same thing in this version, then add it to AUDITED_TORCH."
+        )
+
+
+# --- autograd (reference implementation) --------------------------------------------------
+
+
+def queue_autograd_callback(callback: Callable[[], None]) -> None:
+    """Run ``callback`` once the current backward pass has finished every node.
+
+    Needed to flush gradient reductions of groups whose parameters did not all receive a
+    gradient (unused parameters, partial forwards). Must be called from inside a backward.
+    """
+    require_audited_torch("queue_autograd_callback")
+    torch.autograd.Variable._execution_engine.queue_callback(callback)
+
+
+# --- torch FSDP2 / replicate (torch adapter) --------------------------------------------------
+
+
+def torch_replicate() -> Callable[..., Any]:
+    """torch's FSDP2-based ``replicate`` (DDP semantics); it has no public import path in 2.13."""
+    require_audited_torch("torch_replicate")
+    from torch.distributed._composable.replicate_with_fsdp import replicate
+
+    return replicate
+
+
+def torch_fsdp_group_is_unsharded(module: nn.Module) -> bool:
+    """Whether the parameter group made for ``module`` is unsharded."""
+    require_audited_torch("torch_fsdp_group_is_unsharded")
+    group = module._get_fsdp_state()._fsdp_param_group
+    return group is not None and bool(group.is_unsharded)
+
+
+def torch_fsdp_modules_to_run_forward(module: nn.Module) -> set[nn.Module]:
+    """Modules of ``module``'s group that have not yet run forward in the current pass."""
+    require_audited_torch("torch_fsdp_modules_to_run_forward")
+    return set(module._get_fsdp_state()._modules_to_run_forward)
+
+
+def torch_fsdp_set_unshard_async_op(module: nn.Module, async_op: bool) -> None:
+    """``FSDPModule._set_unshard_async_op``: issue implicit all-gathers with ``async_op``."""
+    require_audited_torch("torch_fsdp_set_unshard_async_op")
+    module._set_unshard_async_op(async_op)

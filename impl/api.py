@@ -1,0 +1,192 @@
+"""The conformance surface: what suites may call on an implementation, and how one is chosen.
+
+Suites receive an ``Implementation`` and never import an implementation module themselves.
+It offers the FSDP2-style entry points (``fully_shard``, ``replicate``,
+``register_fsdp_forward_method``), the policy types, the ``FSDPModule`` type (every managed
+module also has FSDP2's methods: ``unshard``, ``reshard``, ``set_requires_gradient_sync``, ...),
+a declared capability set, and introspection hooks so that suites never read torch internals.
+
+``load_implementation(spec)`` picks one: ``"reference"``, ``"torch"`` or
+``"package.module[:factory]"`` for third parties (the factory, default ``implementation``, is
+called with no arguments and returns an ``Implementation``). An implementation pickles as its
+spec, so a pytest parent can ship it to rank processes, which rebuild it by name.
+
+This module knows nothing about pytest.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from typing import Any
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+ENV_VAR = "DISTCONFORM_IMPL"
+DEFAULT_SPEC = "reference"
+
+#: Every capability name a case may require. An implementation declares a subset.
+KNOWN_CAPABILITIES = frozenset(
+    {
+        "replicate",  # replicate(): DDP semantics on the FSDP machinery
+        "shard_placement_fn",  # Shard(dim) other than 0 via shard_placement_fn
+        "reshard_after_forward_int",  # reshard_after_forward=<int> accepted
+        "gradient_accumulation",  # set_requires_gradient_sync / set_reshard_after_backward
+        "async_unshard",  # unshard(async_op=True) / set_unshard_async_op
+        "forward_method",  # register_fsdp_forward_method
+        "hsdp",  # 2-D (replicate, shard) meshes
+        "mixed_precision",  # MixedPrecisionPolicy with dtypes
+        "cpu_offload",  # CPUOffloadPolicy
+        "prefetch",  # set_modules_to_forward_prefetch / backward_prefetch
+        "post_optim_event",  # set_post_optim_event with real device events
+        "share_comm_ctx",  # share_comm_ctx
+        "tp",  # composition with tensor parallel DTensor parameters
+        "pp",  # composition with pipeline schedules
+        "dcp",  # distributed checkpoint state dicts
+        "activation_checkpointing",  # composition with activation checkpointing
+    }
+)
+
+
+class Implementation(ABC):
+    """One FSDP2-semantics implementation, as the suites see it."""
+
+    #: Short name used in reports.
+    name: str
+    #: What this implementation claims to support (a subset of ``KNOWN_CAPABILITIES``).
+    capabilities: frozenset[str]
+    #: Policy types, constructed by suites with FSDP2's field names.
+    MixedPrecisionPolicy: type
+    OffloadPolicy: type
+    CPUOffloadPolicy: type
+    #: ``isinstance(module, impl.FSDPModule)`` is true for every managed module.
+    FSDPModule: type
+
+    #: The spec this object was loaded from; set by ``load_implementation``.
+    spec: str = ""
+
+    def __reduce__(self) -> tuple[Callable[[str], Implementation], tuple[str]]:
+        if not self.spec:
+            raise TypeError(
+                f"{type(self).__name__} was not created by load_implementation, so it cannot "
+                f"be rebuilt by name in another process"
+            )
+        return (load_implementation, (self.spec,))
+
+    def supports(self, *capabilities: str) -> bool:
+        unknown = set(capabilities) - KNOWN_CAPABILITIES
+        if unknown:
+            raise ValueError(
+                f"unknown capability name(s) {sorted(unknown)}; see impl.api.KNOWN_CAPABILITIES"
+            )
+        return set(capabilities) <= self.capabilities
+
+    def __repr__(self) -> str:
+        return f"<{self.name} implementation ({self.spec or 'unloaded'})>"
+
+    # --- the FSDP2-style entry points ------------------------------------------------------
+
+    @abstractmethod
+    def fully_shard(
+        self,
+        module: nn.Module | list[nn.Module],
+        *,
+        mesh: DeviceMesh | None = None,
+        reshard_after_forward: bool | int | None = None,
+        shard_placement_fn: Callable[[nn.Parameter], Any] | None = None,
+        mp_policy: Any = None,
+        offload_policy: Any = None,
+    ) -> Any:
+        """Shard ``module`` (a list makes one group). ``None`` policies mean the defaults."""
+
+    @abstractmethod
+    def replicate(
+        self,
+        module: nn.Module | list[nn.Module],
+        *,
+        mesh: DeviceMesh | None = None,
+        mp_policy: Any = None,
+        offload_policy: Any = None,
+    ) -> Any:
+        """Replicate ``module`` with DDP semantics on the same machinery."""
+
+    @abstractmethod
+    def register_fsdp_forward_method(self, module: nn.Module, method_name: str) -> None:
+        """Run the forward hooks around ``module.<method_name>`` too."""
+
+    def share_comm_ctx(self, modules: list[nn.Module]) -> None:
+        raise NotImplementedError(f"{self.name} does not implement share_comm_ctx")
+
+    # --- introspection hooks ---------------------------------------------------------------
+
+    def is_managed(self, module: nn.Module) -> bool:
+        """Whether ``fully_shard`` or ``replicate`` was applied to ``module``."""
+        return isinstance(module, self.FSDPModule)
+
+    @abstractmethod
+    def is_group_unsharded(self, module: nn.Module) -> bool:
+        """Whether the parameter group of managed ``module`` holds unsharded parameters now."""
+
+    @abstractmethod
+    def modules_to_run_forward(self, module: nn.Module) -> set[nn.Module]:
+        """Modules of ``module``'s group that have not run forward yet in the current pass."""
+
+    @abstractmethod
+    def set_unshard_async_op(self, module: nn.Module, async_op: bool) -> None:
+        """Issue the implicit (hook-driven) all-gathers of ``module``'s group asynchronously."""
+
+
+_LOADED: dict[str, Implementation] = {}
+
+
+def default_spec() -> str:
+    return os.environ.get(ENV_VAR) or DEFAULT_SPEC
+
+
+def load_implementation(spec: str | None = None) -> Implementation:
+    """The implementation named by ``spec`` (default: ``$DISTCONFORM_IMPL`` or ``reference``)."""
+    spec = spec or default_spec()
+    if spec not in _LOADED:
+        impl = _build(spec)
+        if not isinstance(impl, Implementation):
+            raise TypeError(
+                f"implementation spec {spec!r} produced a {type(impl).__name__}, not an "
+                f"impl.api.Implementation"
+            )
+        unknown = impl.capabilities - KNOWN_CAPABILITIES
+        if unknown:
+            raise ValueError(
+                f"implementation {spec!r} declares unknown capabilities {sorted(unknown)}"
+            )
+        impl.spec = spec
+        _LOADED[spec] = impl
+    return _LOADED[spec]
+
+
+def _build(spec: str) -> Any:
+    if spec == "reference":
+        from impl.reference import ReferenceImplementation
+
+        return ReferenceImplementation()
+    if spec == "torch":
+        from impl.torch_adapter import TorchImplementation
+
+        return TorchImplementation()
+    module_name, _, factory_name = spec.partition(":")
+    if not module_name or any(not part.isidentifier() for part in module_name.split(".")):
+        raise ValueError(
+            f"bad implementation spec {spec!r}: expected 'reference', 'torch' or "
+            f"'package.module[:factory]'"
+        )
+    module = importlib.import_module(module_name)
+    factory_name = factory_name or "implementation"
+    try:
+        factory = getattr(module, factory_name)
+    except AttributeError:
+        raise ValueError(
+            f"implementation module {module_name!r} has no factory {factory_name!r}"
+        ) from None
+    return factory()

@@ -1,0 +1,99 @@
+"""distconform's reference FSDP2-semantics implementation.
+
+Reading order for one training step: ``fully_shard.py`` (what a call sets up), ``state.py``
+(the hooks, in step order), ``group.py`` (one all-gather / one reduction per group),
+``param.py`` (sharded and unsharded forms of one parameter), ``sharding.py`` (the arithmetic).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from impl.api import Implementation
+from impl.reference.fully_shard import fully_shard, register_fsdp_forward_method, replicate
+from impl.reference.module import FSDPModule, ReplicateModule
+from impl.reference.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from impl.reference.state import state_of
+
+__all__ = [
+    "CPUOffloadPolicy",
+    "FSDPModule",
+    "MixedPrecisionPolicy",
+    "OffloadPolicy",
+    "ReferenceImplementation",
+    "ReplicateModule",
+    "fully_shard",
+    "register_fsdp_forward_method",
+    "replicate",
+]
+
+
+class ReferenceImplementation(Implementation):
+    name = "reference"
+    capabilities = frozenset(
+        {
+            "replicate",
+            "shard_placement_fn",
+            "reshard_after_forward_int",
+            "gradient_accumulation",
+            "async_unshard",
+            "forward_method",
+            "prefetch",
+        }
+    )
+    MixedPrecisionPolicy = MixedPrecisionPolicy
+    OffloadPolicy = OffloadPolicy
+    CPUOffloadPolicy = CPUOffloadPolicy
+    FSDPModule = FSDPModule
+
+    def fully_shard(
+        self,
+        module,
+        *,
+        mesh=None,
+        reshard_after_forward=None,
+        shard_placement_fn=None,
+        mp_policy=None,
+        offload_policy=None,
+    ) -> Any:
+        return fully_shard(
+            module,
+            mesh=mesh,
+            reshard_after_forward=reshard_after_forward,
+            shard_placement_fn=shard_placement_fn,
+            mp_policy=mp_policy if mp_policy is not None else MixedPrecisionPolicy(),
+            offload_policy=offload_policy if offload_policy is not None else OffloadPolicy(),
+        )
+
+    def replicate(self, module, *, mesh=None, mp_policy=None, offload_policy=None) -> Any:
+        return replicate(
+            module,
+            mesh=mesh,
+            mp_policy=mp_policy if mp_policy is not None else MixedPrecisionPolicy(),
+            offload_policy=offload_policy if offload_policy is not None else OffloadPolicy(),
+        )
+
+    def register_fsdp_forward_method(self, module: nn.Module, method_name: str) -> None:
+        register_fsdp_forward_method(module, method_name)
+
+    def is_group_unsharded(self, module: nn.Module) -> bool:
+        group = _managed_state(module).group
+        return group is not None and group.is_unsharded
+
+    def modules_to_run_forward(self, module: nn.Module) -> set[nn.Module]:
+        return set(_managed_state(module).modules_to_run_forward)
+
+    def set_unshard_async_op(self, module: nn.Module, async_op: bool) -> None:
+        for sub in module.modules():
+            state = state_of(sub)
+            if state is not None and state.group is not None:
+                state.group.unshard_async_op = async_op
+
+
+def _managed_state(module: nn.Module):
+    state = state_of(module)
+    if state is None:
+        raise ValueError(f"{type(module).__name__} is not managed by fully_shard or replicate")
+    return state

@@ -1,0 +1,217 @@
+"""``fully_shard`` and ``replicate``: turn modules into one parameter group and hook them.
+
+Start reading here. ``fully_shard(module)`` collects the parameters of ``module`` that no
+nested ``fully_shard`` already owns, shards each one across the mesh (``param.py``), packs the
+shards into one flat buffer (``group.py``), registers forward hooks (``state.py``), and swaps
+the module's class for a subclass that also derives from ``FSDPModule`` (``module.py``).
+``replicate`` is the same with ``Replicate()`` placements: DDP semantics, no all-gathers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import TypeVar
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import Placement, Replicate, Shard
+
+from impl.reference.group import ParamGroup
+from impl.reference.module import FSDPModule, ReplicateModule
+from impl.reference.param import ManagedParam, ParamLocation
+from impl.reference.policies import MixedPrecisionPolicy, OffloadPolicy, require_supported_policies
+from impl.reference.state import FSDPState, state_of
+
+ModuleOrList = TypeVar("ModuleOrList", nn.Module, list[nn.Module])
+ShardPlacementFn = Callable[[nn.Parameter], Shard | None]
+
+# Marks an original parameter object with the state that sharded it, so a second group that
+# finds the same object (a weight tied across groups) can report it at lazy init.
+_OWNER_ATTR = "_distconform_owner"
+
+
+def fully_shard(
+    module: ModuleOrList,
+    *,
+    mesh: DeviceMesh | None = None,
+    reshard_after_forward: bool | int | None = None,
+    shard_placement_fn: ShardPlacementFn | None = None,
+    mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),  # noqa: B008 (frozen dataclass)
+    offload_policy: OffloadPolicy = OffloadPolicy(),  # noqa: B008
+) -> ModuleOrList:
+    """Shard ``module``'s parameters (a list makes one group of several modules).
+
+    ``reshard_after_forward``: ``True`` frees unsharded parameters after forward (one more
+    all-gather in backward); ``False`` keeps them; ``None`` means ``False`` for the root and
+    ``True`` otherwise; an int ``k`` (a divisor of the world size) asks FSDP2 to reshard to
+    groups of ``k`` ranks. The reference treats ``k > 1`` like ``True``: numerics and
+    collective counts are identical, only the peak memory between forward and backward
+    differs. ``k == 1`` means ``False``.
+    """
+    mesh = mesh if mesh is not None else _default_mesh(None)
+    if mesh.ndim != 1:
+        raise NotImplementedError(
+            "the reference supports 1-D meshes only; HSDP (2-D meshes) lands in issue 6"
+        )
+    _check_reshard_after_forward(reshard_after_forward, mesh.size())
+
+    def placement(param: nn.Parameter) -> Placement:
+        chosen = shard_placement_fn(param) if shard_placement_fn is not None else None
+        if chosen is None:
+            return Shard(0)
+        if not isinstance(chosen, Shard):
+            raise NotImplementedError(
+                f"shard_placement_fn returned {chosen!r}; the reference accepts Shard(dim) or None"
+            )
+        return Shard(chosen.dim % param.ndim) if param.ndim else chosen
+
+    return _manage(module, mesh, placement, reshard_after_forward, mp_policy, offload_policy, False)
+
+
+def replicate(
+    module: ModuleOrList,
+    *,
+    mesh: DeviceMesh | None = None,
+    mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),  # noqa: B008
+    offload_policy: OffloadPolicy = OffloadPolicy(),  # noqa: B008
+) -> ModuleOrList:
+    """Data parallelism with replicated parameters: one all-reduce per group per synced backward."""
+    mesh = mesh if mesh is not None else _default_mesh(("replicate",))
+    if mesh.ndim != 1:
+        raise ValueError(f"replicate expects a 1-D DeviceMesh, got {mesh.ndim} dims: {mesh}")
+    return _manage(module, mesh, lambda _: Replicate(), False, mp_policy, offload_policy, True)
+
+
+def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
+    """Run the unshard/reshard hooks around ``module.<method_name>`` as around ``forward``."""
+    state = state_of(module)
+    if state is None:
+        raise ValueError(f"{type(module).__name__} is not managed by fully_shard or replicate")
+    method = getattr(module, method_name)
+
+    def with_hooks(*args, **kwargs):
+        args, kwargs = state.pre_forward(module, args, kwargs)
+        return state.post_forward(module, args, method(*args, **kwargs))
+
+    # An instance attribute shadows the class's method for this module only.
+    object.__setattr__(module, method_name, with_hooks)
+
+
+# --- shared machinery ----------------------------------------------------------------------
+
+
+def _manage(
+    module: ModuleOrList,
+    mesh: DeviceMesh,
+    placement: Callable[[nn.Parameter], Placement],
+    reshard_after_forward: bool | int | None,
+    mp_policy: MixedPrecisionPolicy,
+    offload_policy: OffloadPolicy,
+    replicated: bool,
+) -> ModuleOrList:
+    require_supported_policies(mp_policy, offload_policy)
+    modules = tuple(module) if isinstance(module, list) else (module,)
+    api = "replicate" if replicated else "fully_shard"
+    for m in modules:
+        if not isinstance(m, nn.Module):
+            raise TypeError(f"{api} expects an nn.Module or a list of them, got {type(m).__name__}")
+        if state_of(m) is not None:
+            kind = "replicate" if state_of(m).replicated else "fully_shard"
+            raise RuntimeError(f"{api}: {type(m).__name__} is already managed by {kind}")
+    device = _device_of(mesh)
+
+    originals: list[nn.Parameter] = []
+    managed: list[ManagedParam] = []
+    tied_elsewhere: list[str] = []
+    by_identity: dict[int, ManagedParam] = {}
+    for owner, name, fqn, param in _unmanaged_params(modules):
+        if id(param) in by_identity:
+            by_identity[id(param)].locations.append(ParamLocation(owner, name))
+            continue
+        if getattr(param, _OWNER_ATTR, None) is not None:
+            tied_elsewhere.append(fqn)
+        mp = ManagedParam(fqn, param, [ParamLocation(owner, name)], mesh, placement(param))
+        by_identity[id(param)] = mp
+        originals.append(param)
+        managed.append(mp)
+    for m in modules:
+        _move_buffers(m, device)
+
+    group = ParamGroup(managed, originals, mesh, device, replicated) if managed else None
+    state = FSDPState(modules, device, group, reshard_after_forward, replicated, tied_elsewhere)
+    for param in originals:
+        setattr(param, _OWNER_ATTR, state)
+    mixin = ReplicateModule if replicated else FSDPModule
+    for m in modules:
+        _swap_class(m, mixin)
+    return module
+
+
+def _unmanaged_params(
+    modules: tuple[nn.Module, ...],
+) -> Iterator[tuple[nn.Module, str, str, nn.Parameter]]:
+    """(owner, name, fqn, param) for parameters no nested fully_shard/replicate owns."""
+
+    def walk(module: nn.Module, prefix: str, is_top: bool):
+        if not is_top and state_of(module) is not None:
+            return
+        for name, param in module.named_parameters(recurse=False):
+            yield module, name, prefix + name, param
+        for child_name, child in module.named_children():
+            yield from walk(child, f"{prefix}{child_name}.", False)
+
+    for index, module in enumerate(modules):
+        yield from walk(module, f"[{index}]." if len(modules) > 1 else "", True)
+
+
+def _move_buffers(module: nn.Module, device: torch.device) -> None:
+    for sub in module.modules():
+        for name, buffer in sub.named_buffers(recurse=False):
+            if buffer.device != device:
+                setattr(sub, name, buffer.to(device))
+
+
+_MANAGED_CLASSES: dict[tuple[type, type], type] = {}
+
+
+def _swap_class(module: nn.Module, mixin: type) -> None:
+    cls = type(module)
+    if issubclass(cls, FSDPModule):
+        return
+    key = (mixin, cls)
+    if key not in _MANAGED_CLASSES:
+        prefix = "Replicate" if mixin is ReplicateModule else "FSDP"
+        _MANAGED_CLASSES[key] = type(f"{prefix}{cls.__name__}", (mixin, cls), {})
+    module.__class__ = _MANAGED_CLASSES[key]
+
+
+def _default_mesh(names: tuple[str, ...] | None) -> DeviceMesh:
+    if not dist.is_initialized():
+        raise RuntimeError("fully_shard/replicate need an initialized default process group")
+    accelerator = (
+        torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+    )
+    device_type = accelerator.type if accelerator is not None else "cpu"
+    return init_device_mesh(device_type, (dist.get_world_size(),), mesh_dim_names=names)
+
+
+def _device_of(mesh: DeviceMesh) -> torch.device:
+    if mesh.device_type == "cpu":
+        return torch.device("cpu")
+    return torch.device(
+        mesh.device_type, torch.get_device_module(mesh.device_type).current_device()
+    )
+
+
+def _check_reshard_after_forward(value: bool | int | None, world_size: int) -> None:
+    if value is None or isinstance(value, bool):
+        return
+    if not isinstance(value, int):
+        raise ValueError(f"reshard_after_forward must be None, a bool or an int, got {value!r}")
+    if value < 1 or world_size % value != 0:
+        raise ValueError(
+            f"reshard_after_forward={value}: an int must be a positive divisor of the shard "
+            f"world size {world_size}"
+        )

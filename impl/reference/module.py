@@ -1,0 +1,118 @@
+"""The ``FSDPModule`` mixin: the methods a managed module gains (FSDP2's names and signatures).
+
+``fully_shard`` swaps a module's class for ``FSDP<Class>(FSDPModule, <Class>)``; ``replicate``
+uses ``Replicate<Class>(ReplicateModule, <Class>)``. The mixin holds no data: every method
+looks up the module's ``FSDPState``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+from torch import nn
+
+from impl.reference.group import UnshardHandle
+from impl.reference.state import state_of
+
+if TYPE_CHECKING:
+    from impl.reference.state import FSDPState
+
+
+class FSDPModule:
+    def _fsdp_state(self) -> FSDPState:
+        state = state_of(self)  # type: ignore[arg-type]
+        if state is None:
+            raise AssertionError(f"{type(self).__name__} has an FSDP class but no FSDP state")
+        return state
+
+    def _fsdp_states(self, recurse: bool) -> list[FSDPState]:
+        if not recurse:
+            return [self._fsdp_state()]
+        seen: dict[int, FSDPState] = {}
+        for module in self.modules():  # type: ignore[attr-defined]
+            state = state_of(module)
+            if state is not None:
+                seen.setdefault(id(state), state)
+        return list(seen.values())
+
+    # --- explicit unshard / reshard ----------------------------------------------------
+
+    def unshard(self, async_op: bool = False) -> UnshardHandle | None:
+        """All-gather this module's group now; with ``async_op`` return a handle to wait on."""
+        group = self._fsdp_state().group
+        if group is None:
+            return UnshardHandle(None) if async_op else None
+        group.unshard(async_op=async_op)
+        if async_op:
+            return UnshardHandle(group)
+        return None
+
+    def reshard(self) -> None:
+        """Free the unsharded parameters and register the sharded ``DTensor``s again."""
+        group = self._fsdp_state().group
+        if group is not None:
+            group.reshard()
+
+    def reset_iter_state(self) -> None:
+        """Recover from an exception mid-iteration: reshard everything, clear pending state."""
+        self._fsdp_state().reset_iter_state()
+
+    # --- flags -------------------------------------------------------------------------
+
+    def set_requires_gradient_sync(
+        self, requires_gradient_sync: bool, *, recurse: bool = True
+    ) -> None:
+        """With ``False``, backward accumulates unsharded gradients and communicates nothing."""
+        for state in self._fsdp_states(recurse):
+            if state.group is not None:
+                state.group.requires_gradient_sync = requires_gradient_sync
+
+    def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
+        """HSDP only (issue 6): on a 1-D mesh there is no replicate all-reduce to skip."""
+        for state in self._fsdp_states(recurse):
+            if state.group is not None:
+                state.group.requires_all_reduce = requires_all_reduce
+
+    def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
+        for state in self._fsdp_states(recurse):
+            if state.group is not None and not state.replicated:
+                state.group.reshard_after_forward = reshard_after_forward
+
+    def set_reshard_after_backward(
+        self, reshard_after_backward: bool, *, recurse: bool = True
+    ) -> None:
+        """``False``: stay unsharded after backward, so the next forward skips its all-gather."""
+        for state in self._fsdp_states(recurse):
+            if state.group is not None:
+                state.group.reshard_after_backward = reshard_after_backward
+
+    def set_is_last_backward(self, is_last_backward: bool) -> None:
+        # Reductions are waited for inline, so nothing is deferred to the last backward.
+        self._fsdp_state().ctx.is_last_backward = is_last_backward
+
+    def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
+        """``False`` for modules whose backward does not read their parameters (embeddings)."""
+        self._fsdp_state().unshard_in_backward = unshard_in_backward
+
+    def set_modules_to_forward_prefetch(self, modules: Iterable[nn.Module]) -> None:
+        self._fsdp_state().forward_prefetch = [_state_of_managed(m) for m in modules]
+
+    def set_modules_to_backward_prefetch(self, modules: Iterable[nn.Module]) -> None:
+        self._fsdp_state().backward_prefetch = [_state_of_managed(m) for m in modules]
+
+    def set_post_optim_event(self, event: Any) -> None:
+        # Collectives are issued on the current stream, which already orders them after the
+        # optimizer step; the event is kept only so callers can set it.
+        self._fsdp_state().post_optim_event = event
+
+
+class ReplicateModule(FSDPModule):
+    """The mixin ``replicate`` uses; same methods, distinguishable by ``isinstance``."""
+
+
+def _state_of_managed(module: nn.Module) -> FSDPState:
+    state = state_of(module)
+    if state is None:
+        raise ValueError(f"{type(module).__name__} is not managed by fully_shard or replicate")
+    return state

@@ -1,0 +1,165 @@
+"""One managed parameter: where it is registered, its sharded ``DTensor`` and its unsharded alias.
+
+A managed parameter lives in two forms that are swapped in and out of its modules:
+
+* the **sharded** form, an ``nn.Parameter`` holding a ``DTensor`` whose local tensor is a view
+  into the parameter group's flat sharded buffer (so the all-gather reads it with no copy-in,
+  and the optimizer's in-place updates land in that buffer);
+* the **unsharded** form, a plain ``nn.Parameter`` that views the group's unsharded buffer.
+  It is created once and reused for every unshard, so autograd's saved tensors and the
+  gradients accumulated on it across microbatches survive a reshard/unshard cycle.
+
+The unsharded form is built with ``Tensor.set_`` onto the buffer's storage rather than as a
+view of the buffer: a view would share the buffer's version counter, and refilling the buffer
+in backward would then look to autograd like an in-place change of a saved tensor.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Placement, Shard
+
+from impl.reference.sharding import ShardLayout
+
+
+@dataclass(frozen=True)
+class ParamLocation:
+    """One place a parameter is registered; tied weights have several."""
+
+    module: nn.Module
+    name: str
+
+
+def alias_storage(storage_owner: torch.Tensor, offset: int, shape: torch.Size) -> torch.Tensor:
+    """A contiguous tensor on ``storage_owner``'s storage with its own version counter."""
+    alias = torch.empty(0, dtype=storage_owner.dtype, device=storage_owner.device)
+    stride = torch.empty(shape, device="meta").stride()
+    return alias.set_(
+        storage_owner.untyped_storage(),
+        storage_owner.storage_offset() + offset,
+        shape,
+        stride,
+    )
+
+
+class ManagedParam:
+    """A parameter of a group: its placement, its sharded storage and its registration."""
+
+    def __init__(
+        self,
+        fqn: str,
+        original: nn.Parameter,
+        locations: list[ParamLocation],
+        mesh: DeviceMesh,
+        placement: Placement,
+    ) -> None:
+        self.fqn = fqn
+        self.locations = locations
+        self.mesh = mesh
+        self.placement = placement
+        self.shape = original.shape
+        self.dtype = original.dtype
+        self.requires_grad = original.requires_grad
+        world_size, rank = mesh.size(), mesh.get_local_rank()
+        if isinstance(placement, Shard):
+            self.layout: ShardLayout | None = ShardLayout(
+                tuple(self.shape), placement.dim, world_size, rank
+            )
+            self.flat_numel = self.layout.padded_local_numel
+        else:
+            self.layout = None
+            self.flat_numel = original.numel()
+        # Set by ParamGroup once the flat buffers exist.
+        self.flat_offset = 0
+        self.sharded_param: nn.Parameter
+        self.unsharded_param: nn.Parameter | None = None
+
+    @property
+    def is_dim0_sharded(self) -> bool:
+        return self.layout is not None and self.layout.dim == 0
+
+    # --- sharded form ------------------------------------------------------------------
+
+    def local_view(self, sharded_flat: torch.Tensor) -> torch.Tensor:
+        """This rank's real rows inside the group's flat sharded buffer (padding excluded)."""
+        region = sharded_flat.narrow(0, self.flat_offset, self.flat_numel)
+        if self.layout is None:
+            return region.view(self.shape)
+        # Trimming a padded leading dim keeps the view contiguous; other dims are never padded.
+        return region.view(self.layout.padded_local_shape).narrow(
+            self.layout.dim, 0, self.layout.local_rows
+        )
+
+    def init_sharded(self, full: torch.Tensor, sharded_flat: torch.Tensor) -> None:
+        """Copy this rank's shard of ``full`` into the flat buffer and register it as a DTensor."""
+        local = self.local_view(sharded_flat)
+        with torch.no_grad():
+            if self.layout is None:
+                local.copy_(full)
+            else:
+                local.copy_(
+                    full.narrow(self.layout.dim, self.layout.row_offset, self.layout.local_rows)
+                )
+        self.sharded_param = nn.Parameter(self._as_dtensor(local), requires_grad=self.requires_grad)
+        self.register(self.sharded_param)
+
+    def _as_dtensor(self, local: torch.Tensor) -> DTensor:
+        return DTensor.from_local(
+            local,
+            self.mesh,
+            (self.placement,),
+            run_check=False,
+            shape=self.shape,
+            stride=torch.empty(self.shape, device="meta").stride(),
+        )
+
+    def sharded_local(self) -> torch.Tensor:
+        """The sharded parameter's current local tensor (the optimizer may have swapped it)."""
+        with torch.no_grad():
+            return self.sharded_param.to_local()
+
+    # --- unsharded form ----------------------------------------------------------------
+
+    def init_unsharded(self, storage_owner: torch.Tensor, offset: int) -> None:
+        alias = alias_storage(storage_owner, offset, self.shape)
+        self.unsharded_param = nn.Parameter(alias, requires_grad=self.requires_grad)
+
+    # --- registration ------------------------------------------------------------------
+
+    def register(self, param: nn.Parameter) -> None:
+        for loc in self.locations:
+            # register_parameter replaces the entry in place, keeping the module's param order.
+            loc.module.register_parameter(loc.name, param)
+
+    def register_sharded(self) -> None:
+        self.register(self.sharded_param)
+
+    def register_unsharded(self) -> None:
+        if self.unsharded_param is None:
+            raise AssertionError(f"{self.fqn}: unsharded parameter used before init_unsharded")
+        # Freezing is done by users on the registered (sharded) parameter; mirror it.
+        self.unsharded_param.requires_grad_(self.sharded_param.requires_grad)
+        self.register(self.unsharded_param)
+
+    # --- gradients ---------------------------------------------------------------------
+
+    def take_unsharded_grad(self) -> torch.Tensor | None:
+        """Detach the accumulated unsharded gradient from the unsharded parameter."""
+        if self.unsharded_param is None:
+            return None
+        grad = self.unsharded_param.grad
+        self.unsharded_param.grad = None
+        return grad
+
+    def accumulate_sharded_grad(self, local_grad: torch.Tensor) -> None:
+        """Set or add ``local_grad`` (this rank's real rows) as the sharded gradient."""
+        existing = self.sharded_param.grad
+        if existing is None:
+            self.sharded_param.grad = self._as_dtensor(local_grad)
+            return
+        with torch.no_grad():
+            existing.to_local().add_(local_grad)

@@ -1,0 +1,67 @@
+"""The torch adapter: ``impl.api`` mapped onto ``torch.distributed.fsdp`` (FSDP2).
+
+``fully_shard``, the policies and ``register_fsdp_forward_method`` are torch's public API.
+torch's FSDP2-based ``replicate`` and the introspection hooks have no public path in 2.13; they
+go through ``impl/_torch_private.py``, version-checked.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+from torch.distributed import fsdp
+
+from impl import _torch_private
+from impl.api import KNOWN_CAPABILITIES, Implementation
+
+
+class TorchImplementation(Implementation):
+    name = "torch"
+    capabilities = KNOWN_CAPABILITIES
+    MixedPrecisionPolicy = fsdp.MixedPrecisionPolicy
+    OffloadPolicy = fsdp.OffloadPolicy
+    CPUOffloadPolicy = fsdp.CPUOffloadPolicy
+    FSDPModule = fsdp.FSDPModule
+
+    def fully_shard(
+        self,
+        module,
+        *,
+        mesh=None,
+        reshard_after_forward=None,
+        shard_placement_fn=None,
+        mp_policy=None,
+        offload_policy=None,
+    ) -> Any:
+        return fsdp.fully_shard(
+            module,
+            mesh=mesh,
+            reshard_after_forward=reshard_after_forward,
+            shard_placement_fn=shard_placement_fn,
+            mp_policy=mp_policy if mp_policy is not None else fsdp.MixedPrecisionPolicy(),
+            offload_policy=offload_policy if offload_policy is not None else fsdp.OffloadPolicy(),
+        )
+
+    def replicate(self, module, *, mesh=None, mp_policy=None, offload_policy=None) -> Any:
+        return _torch_private.torch_replicate()(
+            module,
+            mesh=mesh,
+            mp_policy=mp_policy if mp_policy is not None else fsdp.MixedPrecisionPolicy(),
+            offload_policy=offload_policy if offload_policy is not None else fsdp.OffloadPolicy(),
+        )
+
+    def register_fsdp_forward_method(self, module: nn.Module, method_name: str) -> None:
+        fsdp.register_fsdp_forward_method(module, method_name)
+
+    def share_comm_ctx(self, modules: list[nn.Module]) -> None:
+        fsdp.share_comm_ctx(modules)
+
+    def is_group_unsharded(self, module: nn.Module) -> bool:
+        return _torch_private.torch_fsdp_group_is_unsharded(module)
+
+    def modules_to_run_forward(self, module: nn.Module) -> set[nn.Module]:
+        return _torch_private.torch_fsdp_modules_to_run_forward(module)
+
+    def set_unshard_async_op(self, module: nn.Module, async_op: bool) -> None:
+        _torch_private.torch_fsdp_set_unshard_async_op(module, async_op)
