@@ -1,0 +1,1 @@
+"""Conformance suites written once against ``impl.api``, run by the harness on N ranks."""

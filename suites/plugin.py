@@ -1,0 +1,42 @@
+"""pytest glue for the conformance suites: ``--impl`` and the ``impl`` fixture.
+
+Registered through the ``pytest11`` entry point ``distconform-suites``. The ``impl`` fixture is
+resolved in the pytest parent; the value pickles as its spec (``impl.api.Implementation``'s
+``__reduce__``) and each rank process rebuilds it by name, so no implementation state crosses
+process boundaries.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from impl.api import ENV_VAR, Implementation, default_spec, load_implementation
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("distconform-suites", "conformance suites (distconform)")
+    group.addoption(
+        "--impl",
+        default=None,
+        metavar="SPEC",
+        help=f"implementation under test: reference, torch or package.module[:factory] "
+        f"(default: ${ENV_VAR} or reference)",
+    )
+
+
+def selected_spec(config: pytest.Config) -> str:
+    return config.getoption("--impl") or default_spec()
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    return f"distconform implementation: {selected_spec(config)}"
+
+
+@pytest.fixture(scope="session")
+def impl(request: pytest.FixtureRequest) -> Implementation:
+    """The implementation under test, chosen by ``--impl`` or ``$DISTCONFORM_IMPL``."""
+    spec = selected_spec(request.config)
+    try:
+        return load_implementation(spec)
+    except (ImportError, ValueError, TypeError) as error:
+        raise pytest.UsageError(f"--impl {spec}: {error}") from error
