@@ -38,9 +38,13 @@ class RunStore(dist.Store):
         here = current_rank()
         if here is None or here[0] is not self._world:
             raise RuntimeError(f"{what}: key missing and caller is not a rank thread of this run")
-        self._world.wait_until(
-            here[1], lambda: all(k in self._data for k in keys), what, seconds or None
-        )
+        try:
+            self._world.wait_until(
+                here[1], lambda: all(k in self._data for k in keys), what, seconds or None
+            )
+        except TimeoutError as error:
+            # c10d's callers (the store-based barrier) expect the store's own error type.
+            raise dist.DistStoreError(str(error)) from None
 
     def set(self, key: str, value: str | bytes) -> None:
         with self._world.cond:

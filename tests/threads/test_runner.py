@@ -1,0 +1,204 @@
+"""The thread runner: RNG isolation, failure release, deadlock and hang detection, cleanup."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+from harness.threads import (
+    CollectiveDeadlockError,
+    CollectiveMismatchError,
+    RankAbortedError,
+    RankOutcome,
+    ThreadRunError,
+    ThreadRunner,
+    add_collective_listener,
+    run_threaded,
+)
+
+# --- RNG isolation --------------------------------------------------------------------------
+
+
+def _draw() -> tuple:
+    return (torch.rand(3).tolist(), random.random(), float(np.random.rand()))
+
+
+def _reference_draws(seed: int, steps: int) -> list:
+    """What one process seeded with ``seed`` draws: the stream each rank must see."""
+    saved = torch.get_rng_state(), random.getstate(), np.random.get_state()
+    try:
+        torch.manual_seed(seed)
+        random.seed(seed)
+        np.random.seed(seed)
+        return [_draw() for _ in range(steps)]
+    finally:
+        torch.set_rng_state(saved[0])
+        random.setstate(saved[1])
+        np.random.set_state(saved[2])
+
+
+def _draws_between_collectives(reseed_by_rank: bool, chain: bool, steps: int) -> list:
+    r, ws = dist.get_rank(), dist.get_world_size()
+    if reseed_by_rank:
+        torch.manual_seed(r)
+        random.seed(r)
+        np.random.seed(r)
+    draws = []
+    for _ in range(steps):
+        if chain and r > 0:
+            # Ranks run strictly one after another, in a different order than below.
+            dist.recv(torch.zeros(1), src=r - 1)
+        draws.append(_draw())
+        if chain and r < ws - 1:
+            dist.send(torch.zeros(1), dst=r + 1)
+        # Every rank gives the baton up here, so generator states change hands.
+        dist.all_reduce(torch.ones(1))
+    return draws
+
+
+@pytest.mark.parametrize("chain", [False, True], ids=["free", "chained"])
+@pytest.mark.parametrize("ws", [2, 4])
+def test_each_rank_owns_its_rng_stream(runners, ws, chain):
+    _draw()  # move the caller's streams off the seed; the runs must leave them here
+    before = torch.get_rng_state(), random.getstate(), np.random.get_state()[1].copy()
+    same = runners.run(ws, _draws_between_collectives, False, chain, 3)
+    assert same == [_reference_draws(0, 3)] * ws  # seeded identically: identical streams
+    distinct = runners.run(ws, _draws_between_collectives, True, chain, 3)
+    assert distinct == [_reference_draws(r, 3) for r in range(ws)]
+    assert torch.equal(torch.get_rng_state(), before[0])
+    assert random.getstate() == before[1]
+    assert np.array_equal(np.random.get_state()[1], before[2])
+
+
+def test_seed_option():
+    result = run_threaded(lambda: _draw(), 2, seed=7)
+    result.raise_on_failure()
+    assert result.values == [_reference_draws(7, 1)[0]] * 2
+
+
+# --- failures release the other ranks ------------------------------------------------------
+
+
+def _fail_on(failing: int, after_first_collective: bool) -> None:
+    if after_first_collective:
+        dist.all_reduce(torch.ones(1))
+    if dist.get_rank() == failing:
+        raise ValueError("rank body failed on purpose")
+    dist.all_reduce(torch.ones(1))  # the failed rank never joins this one
+    dist.barrier()
+
+
+@pytest.mark.parametrize("after_first_collective", [False, True])
+def test_error_in_one_rank_releases_the_others(after_first_collective):
+    with ThreadRunner(4, deadline=30.0) as runner:
+        result = runner.run(_fail_on, 2, after_first_collective)
+    assert not result.ok and not result.hung
+    assert result.duration < 1.0
+    failed = result.ranks[2]
+    assert failed.outcome is RankOutcome.FAILED
+    assert isinstance(failed.error, ValueError)
+    assert "rank body failed on purpose" in failed.traceback
+    assert result.primary_failures() == [failed]
+    for peer in (0, 1, 3):
+        run = result.ranks[peer]
+        assert run.outcome is RankOutcome.ABORTED_BY_PEER, result.report()
+        assert isinstance(run.error, RankAbortedError)
+        assert "aborted because rank 2 failed: ValueError" in str(run.error)
+        assert run.finished_at - failed.finished_at < 1.0
+    with pytest.raises(ThreadRunError, match="rank 2: failed ValueError"):
+        result.raise_on_failure()
+
+
+def _skip_on_rank_one() -> None:
+    if dist.get_rank() == 1:
+        pytest.skip("not on this rank")
+    dist.barrier()
+
+
+def test_skip_in_one_rank_is_reported_and_releases_peers():
+    result = run_threaded(_skip_on_rank_one, 2, deadline=30.0)
+    assert [r.outcome for r in result.ranks] == [
+        RankOutcome.ABORTED_BY_PEER,
+        RankOutcome.SKIPPED,
+    ]
+
+
+def _mismatch() -> None:
+    t = torch.ones(2)
+    if dist.get_rank() == 0:
+        dist.all_reduce(t)
+    else:
+        dist.broadcast(t, src=0)
+
+
+def test_mismatched_collectives_fail_every_participant():
+    result = run_threaded(_mismatch, 2, deadline=30.0)
+    assert result.duration < 1.0
+    for run in result.ranks:
+        assert run.outcome is RankOutcome.FAILED
+        assert isinstance(run.error, CollectiveMismatchError)
+        assert "allreduce #0" in str(run.error) and "broadcast #0" in str(run.error)
+
+
+# --- deadlocks and hangs -------------------------------------------------------------------
+
+
+def _rank_one_skips_the_collective() -> None:
+    if dist.get_rank() == 0:
+        dist.all_reduce(torch.ones(1))
+
+
+def test_deadlock_is_detected_without_waiting_for_the_deadline():
+    result = run_threaded(_rank_one_skips_the_collective, 2, deadline=60.0)
+    assert result.duration < 1.0
+    stuck, early = result.ranks
+    assert early.outcome is RankOutcome.PASSED
+    assert stuck.outcome is RankOutcome.HUNG
+    assert isinstance(stuck.error, CollectiveDeadlockError)
+    assert "rank 0: waits in allreduce #0" in str(stuck.error)
+    assert "rank 1: finished" in str(stuck.error)
+    assert "_rank_one_skips_the_collective" in stuck.traceback  # where it waited
+
+
+def _async_never_waited() -> None:
+    if dist.get_rank() == 0:
+        dist.all_reduce(torch.ones(1), async_op=True)
+
+
+def test_unmatched_async_collective_fails_the_run():
+    result = run_threaded(_async_never_waited, 2, deadline=30.0)
+    assert not result.ok
+    assert "unmatched collectives" in result.report()
+
+
+# --- the collective listener ---------------------------------------------------------------
+
+
+def _listened() -> None:
+    dist.all_reduce(torch.zeros(3, 4))
+    pair = dist.new_group([0, 1])
+    if dist.get_rank() in (0, 1):
+        out = torch.zeros(4, dtype=torch.float64)
+        dist.all_gather_single(out, torch.zeros(2, dtype=torch.float64), group=pair)
+
+
+def test_listener_sees_every_collective_with_sizes():
+    records = []
+    with add_collective_listener(records.append):
+        run_threaded(_listened, 3).raise_on_failure()
+    allreduce = sorted((r for r in records if r.op == "allreduce"), key=lambda r: r.rank)
+    assert [r.rank for r in allreduce] == [0, 1, 2]
+    assert {(r.shapes, r.dtypes, r.numel, r.nbytes, r.group_ranks) for r in allreduce} == {
+        (((3, 4),), (torch.float32,), 12, 48, (0, 1, 2))
+    }
+    gathers = [r for r in records if r.op == "all_gather_single"]
+    assert sorted(r.rank for r in gathers) == [0, 1]
+    assert {(r.group_ranks, r.nbytes, r.out_nbytes) for r in gathers} == {((0, 1), 16, 32)}
+    assert gathers[0].group_name != allreduce[0].group_name
+    count = len(records)
+    run_threaded(_listened, 3).raise_on_failure()  # handle removed on exit: no new records
+    assert len(records) == count
