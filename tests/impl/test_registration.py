@@ -1,0 +1,239 @@
+"""Which form of each parameter is registered when (cases.md §2.2, §2.7, §3.2, §5.1 item 2).
+
+Every test body runs on every rank; the harness seeds RNG identically on all ranks, so models
+built here start equal everywhere without a broadcast.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from suites.models import MLP
+
+RESHARD_AFTER_FORWARD = [True, False, 2, None]
+
+
+def raf_id(value: object) -> str:
+    return f"raf={value}"
+
+
+def assert_all_dtensor(params: list[nn.Parameter], context: str) -> None:
+    assert params, f"{context}: no parameters"
+    for p in params:
+        assert isinstance(p, DTensor), f"{context}: expected a DTensor, got {type(p).__name__}"
+
+
+def assert_all_plain(params: list[nn.Parameter], context: str) -> None:
+    assert params, f"{context}: no parameters"
+    for p in params:
+        assert not isinstance(p, DTensor), f"{context}: expected a plain tensor, got a DTensor"
+
+
+def assert_same_values(model: nn.Module, reference: nn.Module) -> None:
+    params, ref_params = list(model.parameters()), list(reference.parameters())
+    assert len(params) == len(ref_params)
+    for p, ref in zip(params, ref_params, strict=True):
+        full = p.full_tensor() if isinstance(p, DTensor) else p
+        assert full.shape == ref.shape
+        torch.testing.assert_close(full.detach(), ref.detach(), rtol=0, atol=0)
+
+
+def managed_modules(impl, model: nn.Module) -> list[nn.Module]:
+    return [m for m in model.modules() if impl.is_managed(m)]
+
+
+@pytest.mark.world_size(4)
+@pytest.mark.parametrize("raf", RESHARD_AFTER_FORWARD, ids=raf_id)
+def test_single_group_registration(rank_ctx, impl, raf):
+    model = MLP(3)
+    reference = copy.deepcopy(model)
+    impl.fully_shard(model, reshard_after_forward=raf)
+    assert_all_dtensor(list(model.parameters()), "before forward")
+    assert_same_values(model, reference)
+    for p in model.parameters():
+        assert p.placements == (Shard(0),)
+        assert p.device_mesh.size() == rank_ctx.world_size
+
+    model(torch.randn(2, 3))
+    after_forward = list(model.parameters())
+    if raf in (True, 2):
+        assert_all_dtensor(after_forward, f"after forward, root raf={raf}")
+    else:  # False, or None on the root
+        assert_all_plain(after_forward, f"after forward, root raf={raf}")
+    assert impl.is_group_unsharded(model) is (raf in (False, None))
+    assert_same_values(model, reference)
+
+    model.reshard()
+    assert_all_dtensor(list(model.parameters()), "after reshard()")
+    assert not impl.is_group_unsharded(model)
+    assert_same_values(model, reference)
+
+
+@pytest.mark.world_size(4)
+@pytest.mark.parametrize("raf", RESHARD_AFTER_FORWARD, ids=raf_id)
+def test_multi_group_registration(rank_ctx, impl, raf):
+    model = nn.Sequential(MLP(3), MLP(3))
+    reference = copy.deepcopy(model)
+    impl.fully_shard(model[0].in_proj, reshard_after_forward=raf)
+    impl.fully_shard(model[0].out_proj, reshard_after_forward=raf)
+    impl.fully_shard(model, reshard_after_forward=raf)
+    non_root = [*model[0].in_proj.parameters(), *model[0].out_proj.parameters()]
+    assert_all_dtensor(list(model.parameters()), "before forward")
+
+    model(torch.randn(2, 3))
+    non_root = [*model[0].in_proj.parameters(), *model[0].out_proj.parameters()]
+    root_owned = list(model[1].parameters())
+    if raf is None:
+        assert_all_dtensor(non_root, "after forward, non-root with raf=None")
+        assert_all_plain(root_owned, "after forward, root with raf=None")
+    elif raf is False:
+        assert_all_plain(non_root + root_owned, "after forward with raf=False")
+    else:
+        assert_all_dtensor(non_root + root_owned, f"after forward with raf={raf}")
+    assert_same_values(model, reference)
+
+    for module in managed_modules(impl, model):
+        module.reshard()
+    assert_all_dtensor(list(model.parameters()), "after reshard() of every group")
+    assert_same_values(model, reference)
+
+
+@pytest.mark.world_size(4)
+@pytest.mark.parametrize("raf", [True, False, 2], ids=raf_id)
+def test_registration_after_backward(rank_ctx, impl, raf):
+    single = MLP(8)
+    impl.fully_shard(single, reshard_after_forward=raf)
+    multi = MLP(8)
+    impl.fully_shard(multi.in_proj, reshard_after_forward=raf)
+    impl.fully_shard(multi.out_proj, reshard_after_forward=raf)
+    impl.fully_shard(multi, reshard_after_forward=raf)
+    for name, model in (("single group", single), ("multi group", multi)):
+        assert_all_dtensor(list(model.parameters()), f"{name}, before forward")
+        model(torch.randn(2, 8)).sum().backward()
+        assert_all_dtensor(list(model.parameters()), f"{name}, after backward")
+        for module in managed_modules(impl, model):
+            assert not impl.is_group_unsharded(module)
+        for p in model.parameters():
+            assert isinstance(p.grad, DTensor)
+            assert p.grad.placements == p.placements
+
+
+@pytest.mark.world_size(2)
+def test_modules_to_run_forward_is_empty_outside_forward(rank_ctx, impl):
+    model = MLP(8)
+    impl.fully_shard(model.in_proj)
+    impl.fully_shard(model.out_proj)
+    impl.fully_shard(model)
+    modules = [model.in_proj, model.out_proj, model]
+    assert all(impl.modules_to_run_forward(m) == set() for m in modules)
+    model(torch.randn(2, 8)).sum().backward()
+    assert all(impl.modules_to_run_forward(m) == set() for m in modules)
+
+
+@pytest.mark.world_size(2)
+def test_explicit_unshard_and_reshard(rank_ctx, impl):
+    model = MLP(5)  # hidden 20, dim 5: uneven over 2 ranks
+    reference = copy.deepcopy(model)
+    impl.fully_shard(model)
+    model.unshard()
+    assert_all_plain(list(model.parameters()), "after unshard()")
+    assert impl.is_group_unsharded(model)
+    assert_same_values(model, reference)
+    model.reshard()
+    assert_all_dtensor(list(model.parameters()), "after reshard()")
+
+    handle = model.unshard(async_op=True)
+    handle.wait()
+    assert_all_plain(list(model.parameters()), "after unshard(async_op=True).wait()")
+    assert_same_values(model, reference)
+    model.reshard()
+
+
+@pytest.mark.world_size(4)
+def test_shard_placement_fn_gives_contiguous_params_and_grads(rank_ctx, impl):
+    def shard_dim1_for_matrices(param: nn.Parameter) -> Shard:
+        return Shard(1) if param.ndim > 1 else Shard(0)
+
+    model = MLP(4)
+    reference = copy.deepcopy(model)
+    for module in (model.in_proj, model.out_proj, model):
+        impl.fully_shard(module, shard_placement_fn=shard_dim1_for_matrices)
+
+    def assert_unsharded_contiguous(module: nn.Module, args: object) -> None:
+        for p in module.parameters():
+            assert p.is_contiguous(), f"unsharded {tuple(p.shape)} parameter is not contiguous"
+
+    model.in_proj.register_forward_pre_hook(assert_unsharded_contiguous)
+    model.out_proj.register_forward_pre_hook(assert_unsharded_contiguous)
+    for p in model.parameters():
+        assert p.placements == ((Shard(1),) if p.ndim > 1 else (Shard(0),))
+        assert p.is_contiguous() and p.to_local().is_contiguous()
+    assert_same_values(model, reference)
+    model(torch.randn(2, 4)).sum().backward()
+    for p in model.parameters():
+        assert p.is_contiguous() and p.to_local().is_contiguous()
+        assert p.grad.is_contiguous() and p.grad.to_local().is_contiguous()
+
+
+@pytest.mark.world_size(4)
+def test_replicate_registration(rank_ctx, impl):
+    model = nn.Sequential(MLP(3), MLP(3))
+    reference = copy.deepcopy(model)
+    impl.replicate(model[0].in_proj)
+    impl.replicate(model[0].out_proj)
+    impl.replicate(model)
+    for p in model.parameters():
+        assert isinstance(p, DTensor) and p.placements == (Replicate(),)
+    assert_same_values(model, reference)
+    model(torch.randn(2, 3))
+    # replicate never reshards after forward, root or not.
+    assert_all_plain(list(model.parameters()), "replicate, after forward")
+    for module in managed_modules(impl, model):
+        module.reshard()
+    assert_all_dtensor(list(model.parameters()), "replicate, after reshard()")
+
+    model(torch.randn(2, 3)).sum().backward()
+    assert_all_dtensor(list(model.parameters()), "replicate, after backward")
+    for p in model.parameters():
+        assert isinstance(p.grad, DTensor) and p.grad.placements == (Replicate(),)
+
+
+class ParamOnly(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(4, 4))
+
+    def forward(self) -> torch.Tensor:
+        return self.weight @ self.weight
+
+
+class TwoInputs(nn.Module):
+    def __init__(self, device: torch.device) -> None:
+        super().__init__()
+        self.device = device
+        self.lin = nn.Linear(3, 3)
+
+    def forward(self, x: torch.Tensor, ys: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        for t in (x, *ys):
+            assert t.device.type == self.device.type, f"input left on {t.device}"
+        return self.lin(x) + ys[0] + ys[1]
+
+
+@pytest.mark.world_size(2)
+def test_root_forward_inputs(rank_ctx, impl):
+    no_inputs = ParamOnly()
+    impl.fully_shard(no_inputs)
+    out = no_inputs()
+    assert out.shape == (4, 4)
+    out.sum().backward()
+    assert isinstance(no_inputs.weight.grad, DTensor)
+
+    nested = TwoInputs(rank_ctx.device)
+    assert impl.fully_shard(nested) is nested, "fully_shard must return the module"
+    x, ys = torch.randn(3), (torch.randn(3), torch.randn(3))
+    nested(x, ys).sum().backward()
