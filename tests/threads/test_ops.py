@@ -134,8 +134,8 @@ def test_all_gather_list_uneven(runners, ws):
 def _all_gather_single() -> None:
     r, ws = _rank()
     out = torch.zeros(3 * ws)
-    dist.all_gather_single(out, torch.full((3,), float(r + 1)))
-    _eq(out, torch.arange(1, ws + 1, dtype=torch.float32).repeat_interleave(3))
+    dist.all_gather_single(out, 10.0 * (r + 1) + torch.arange(3.0))
+    _eq(out, torch.cat([10.0 * (j + 1) + torch.arange(3.0) for j in range(ws)]))
     stacked = torch.zeros(ws, 2, 2)  # the stacked output layout is allowed too
     dist.all_gather_single(stacked, torch.full((2, 2), float(r + 1)))
     _eq(stacked[:, 0, 0], torch.arange(1, ws + 1, dtype=torch.float32))
@@ -232,10 +232,15 @@ def _all_to_all_single_uneven() -> None:
 
     in_splits = [size(r, j) for j in range(ws)]
     out_splits = [size(j, r) for j in range(ws)]
-    inp = torch.cat([torch.full((size(r, j), 2), 100.0 * r + j) for j in range(ws)])
+
+    def chunk(src: int, dst: int) -> torch.Tensor:  # rows differ, so order is checked
+        rows = torch.arange(size(src, dst), dtype=torch.float32) + 1000 * src + 100 * dst
+        return torch.stack([rows, -rows], dim=1)
+
+    inp = torch.cat([chunk(r, j) for j in range(ws)])
     out = torch.zeros(sum(out_splits), 2)
     dist.all_to_all_single(out, inp, out_splits, in_splits)
-    expected = torch.cat([torch.full((size(j, r), 2), 100.0 * j + r) for j in range(ws)])
+    expected = torch.cat([chunk(j, r) for j in range(ws)])
     _eq(out, expected)
     even_out = torch.zeros(ws)
     dist.all_to_all_single(even_out, torch.arange(ws, dtype=torch.float32) + 10 * r)
