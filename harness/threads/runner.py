@@ -262,9 +262,12 @@ class ThreadRunner:
         }
         states = world.describe_states()
         world.abandon(f"the run passed its {limit:g} s deadline")
+        # Ranks that were waiting get released by the abandon and unwind quickly; the one
+        # that was running is the hung one and will not, so nobody waits for it.
         grace_end = time.monotonic() + _UNWIND_GRACE_S
-        for thread in threads:
-            thread.join(max(0.0, grace_end - time.monotonic()))
+        for rank, thread in enumerate(threads):
+            if states[rank] != "running":
+                thread.join(max(0.0, grace_end - time.monotonic()))
         result.hung = True
         now = time.monotonic()
         for rank, thread in enumerate(threads):

@@ -1,0 +1,123 @@
+"""``RankPool`` adapter: the thread runner behind :mod:`harness.pools`' interface.
+
+A task runs exactly as in a rank process (``harness.rank_exec.run_task``: the payload is
+unpickled *per rank*, so ranks never share argument objects; rank context, reseeding,
+skip/xfail classification), but on the runner's rank threads. A rank whose task did not
+pass aborts the run at once, so its peers are released from their collectives instead of
+waiting for the deadline.
+
+The pool holds no c10d state between tasks (each run builds a fresh world), so a failed
+task needs no recycling; it is still marked broken after anything but a clean pass,
+because recycling costs nothing here and the test may have changed process-global
+state. After a hang the abandoned threads live on: the caller should replace the host
+process, as the runner says.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from harness.outcomes import Outcome, RankResult, RunResult
+from harness.rank_context import RankContext
+from harness.rank_exec import run_task
+from harness.task import RankTask, ensure_modules
+from harness.threads.backend import BACKEND_NAME
+from harness.threads.runner import RankOutcome, RankRun, ThreadRunner
+
+
+class _TaskDidNotPass(Exception):
+    """Carries a rank's non-passing RankResult out of the rank so the runner aborts peers."""
+
+    def __init__(self, result: RankResult) -> None:
+        super().__init__(f"rank {result.rank}: {result.outcome.value}")
+        self.result = result
+
+
+def _rank_body(task: RankTask, world_size: int) -> RankResult:
+    import torch.distributed as dist
+
+    ctx = RankContext(
+        rank=dist.get_rank(),
+        world_size=world_size,
+        device=torch.device("cpu"),
+        backend=BACKEND_NAME,
+        seed=task.seed,
+        launcher="thread",
+    )
+    result = run_task(task, ctx)
+    if result.outcome is not Outcome.PASSED:
+        raise _TaskDidNotPass(result)
+    return result
+
+
+def _to_rank_result(run: RankRun) -> RankResult:
+    if isinstance(run.value, RankResult):
+        return run.value
+    if isinstance(run.error, _TaskDidNotPass):
+        return run.error.result
+    outcome = {
+        RankOutcome.HUNG: Outcome.HUNG,
+        RankOutcome.ABORTED_BY_PEER: Outcome.ABORTED_BY_PEER,
+        RankOutcome.SKIPPED: Outcome.SKIPPED,
+        RankOutcome.PASSED: Outcome.PASSED,
+    }.get(run.outcome, Outcome.FAILED)
+    error = run.error
+    return RankResult(
+        rank=run.rank,
+        outcome=outcome,
+        started_at=run.started_at,
+        finished_at=run.finished_at,
+        error_type=type(error).__qualname__ if error is not None else None,
+        error_message=str(error) if error is not None else None,
+        traceback=run.traceback,
+        stacks=run.stack,
+        comm_error=outcome is Outcome.ABORTED_BY_PEER,
+    )
+
+
+class ThreadPool:
+    """``world_size`` rank threads in this process; implements ``harness.pools.RankPool``."""
+
+    launcher = "thread"
+
+    def __init__(self, world_size: int) -> None:
+        self.world_size = world_size
+        self.broken = False
+        self._runner: ThreadRunner | None = None
+
+    def start(self) -> None:
+        if self._runner is None:
+            self._runner = ThreadRunner(self.world_size)
+
+    def run(self, task: RankTask, deadline: float, peer_grace: float) -> RunResult:
+        """Run ``task`` on every rank thread; ``peer_grace`` is moot: peers are released
+        the moment a rank fails."""
+        self.start()
+        assert self._runner is not None
+        # Import the test's modules once, in the parent thread, before the ranks unpickle.
+        ensure_modules(task.modules, task.sys_path)
+        started = time.monotonic()
+        run = self._runner.run(_rank_body, task, self.world_size, deadline=deadline)
+        results = [_to_rank_result(r) for r in run.ranks]
+        if not run.ok:
+            self.broken = True
+        return RunResult(
+            results=results,
+            seed=task.seed,
+            deadline=deadline,
+            started_at=started,
+            finished_at=time.monotonic(),
+            harness_notes=list(run.notes),
+        )
+
+    def close(self, timeout: float = 10.0) -> None:
+        if self._runner is not None:
+            self._runner.close()
+            self._runner = None
+
+    def kill(self) -> None:
+        # Threads cannot be killed; closing uninstalls the thread world and leaves any
+        # hung (daemon) thread to the process's end.
+        self.close()

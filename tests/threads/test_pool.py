@@ -1,0 +1,110 @@
+"""ThreadPool: the runner behind harness.pools' RankPool interface, fed real RankTasks."""
+
+from __future__ import annotations
+
+import sys
+import threading
+
+import torch
+import torch.distributed as dist
+
+from harness import get_rank_context
+from harness.outcomes import Outcome
+from harness.task import RankTask, pack_call
+from harness.threads.pool import ThreadPool
+
+_release = threading.Event()
+
+
+def _task(fn, *args, seed: int = 0) -> RankTask:
+    payload, modules = pack_call(fn, args, {})
+    return RankTask(
+        test_id=fn.__qualname__,
+        payload=payload,
+        modules=modules,
+        sys_path=tuple(p for p in sys.path if p),
+        seed=seed,
+        pg_timeout=30.0,
+    )
+
+
+def rank_sum_and_context() -> tuple[float, int, str]:
+    ctx = get_rank_context()
+    value = torch.tensor([float(dist.get_rank() + 1)])
+    dist.all_reduce(value)
+    return value.item(), ctx.rank, ctx.launcher
+
+
+def raise_on(bad_rank: int) -> None:
+    if dist.get_rank() == bad_rank:
+        raise ValueError(f"deliberate failure on rank {bad_rank}")
+    dist.barrier()
+
+
+def skip_everywhere() -> None:
+    import pytest
+
+    pytest.skip("not here")
+
+
+def wait_for_release_on(bad_rank: int) -> None:
+    if dist.get_rank() == bad_rank:
+        _release.wait(30)
+    dist.barrier()
+
+
+def test_passing_task_returns_every_rank_value():
+    pool = ThreadPool(3)
+    try:
+        run = pool.run(_task(rank_sum_and_context), deadline=30.0, peer_grace=1.0)
+        assert run.ok, run
+        assert run.values == [(6.0, r, "thread") for r in range(3)]
+        assert not pool.broken
+        again = pool.run(_task(rank_sum_and_context), deadline=30.0, peer_grace=1.0)
+        assert again.ok
+    finally:
+        pool.close()
+
+
+def test_failure_is_primary_and_peers_are_released():
+    pool = ThreadPool(3)
+    try:
+        run = pool.run(_task(raise_on, 1), deadline=30.0, peer_grace=1.0)
+    finally:
+        pool.close()
+    assert run.finished_at - run.started_at < 1.0
+    primary = run.primary_failure()
+    assert primary is not None and primary.rank == 1
+    assert primary.error_type == "ValueError"
+    assert "deliberate failure on rank 1" in primary.traceback
+    for peer in (0, 2):
+        assert run.results[peer].outcome is Outcome.FAILED
+        assert run.results[peer].comm_error  # demoted to aborted-by-peer by the report
+    assert pool.broken
+
+
+def test_skip_on_every_rank():
+    pool = ThreadPool(2)
+    try:
+        run = pool.run(_task(skip_everywhere), deadline=30.0, peer_grace=1.0)
+    finally:
+        pool.close()
+    assert run.all_skipped
+
+
+def test_hang_reports_stacks_and_breaks_the_pool():
+    _release.clear()
+    pool = ThreadPool(2)
+    try:
+        run = pool.run(_task(wait_for_release_on, 0), deadline=0.5, peer_grace=1.0)
+        hung = run.results[0]
+        assert hung.outcome is Outcome.HUNG
+        assert "wait_for_release_on" in hung.stacks
+        assert run.results[1].outcome in (Outcome.ABORTED_BY_PEER, Outcome.FAILED)
+        assert pool.broken
+    finally:
+        pool.kill()
+        _release.set()
+        for thread in threading.enumerate():
+            if thread.name.startswith("distconform-rank"):
+                thread.join(5)
