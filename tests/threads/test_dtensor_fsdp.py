@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
 from harness.threads import add_collective_listener
 
@@ -46,6 +46,25 @@ def test_dtensor_1d_mesh(runners, ws):
     # distribute_tensor scatters, full_tensor gathers through the functional path.
     assert ops["scatter"] >= ws
     assert ops["all_gather_single_coalesced"] + ops["all_gather_single"] >= ws
+
+
+def _dtensor_partial() -> None:
+    r, ws = dist.get_rank(), dist.get_world_size()
+    mesh = init_device_mesh("cpu", (ws,))
+    partial = DTensor.from_local(torch.full((2 * ws, 3), float(r + 1)), mesh, [Partial()])
+    total = ws * (ws + 1) / 2
+    _exact(partial.redistribute(mesh, [Replicate()]).to_local(), torch.full((2 * ws, 3), total))
+    _exact(partial.redistribute(mesh, [Shard(0)]).to_local(), torch.full((2, 3), total))
+
+
+@pytest.mark.parametrize("ws", [2, 4])
+def test_dtensor_partial_reductions(runners, ws):
+    ops = collections.Counter()
+    with add_collective_listener(lambda rec: ops.update([rec.op])):
+        runners.run(ws, _dtensor_partial)
+    # Partial -> Shard is a functional reduce-scatter: the coalesced form, from C++.
+    assert ops["reduce_scatter_single_coalesced"] == ws
+    assert ops["allreduce"] == ws
 
 
 def _dtensor_2d() -> None:

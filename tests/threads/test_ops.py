@@ -284,6 +284,22 @@ def test_send_recv(runners, ws):
     runners.run(ws, _send_recv_ring)
 
 
+def _batch_isend_irecv() -> None:
+    r, ws = _rank()
+    received = torch.zeros(2)
+    ops = [
+        dist.P2POp(dist.isend, torch.full((2,), float(r + 1)), (r + 1) % ws),
+        dist.P2POp(dist.irecv, received, (r - 1) % ws),
+    ]
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
+    _eq(received, torch.full((2,), float((r - 1) % ws + 1)))
+
+
+def test_batch_isend_irecv(runners, ws):
+    runners.run(ws, _batch_isend_irecv)
+
+
 def _barrier(arrived: list) -> None:
     r, ws = _rank()
     arrived.append(r)
