@@ -59,9 +59,16 @@ def pytest_timeout_for(item: pytest.Item) -> float | None:
 
 def deadline_for(item: pytest.Item, default: float) -> float:
     marker = item.get_closest_marker("deadline")
-    deadline = _positive(marker.args[0], "@pytest.mark.deadline") if marker else default
+    return _positive(marker.args[0], "@pytest.mark.deadline") if marker else default
+
+
+def outer_limit_for(item: pytest.Item, item_started: float) -> float | None:
+    """When (monotonic) the harness must have reported, so pytest-timeout never fires.
+
+    pytest-timeout's clock starts with the test's setup; pool start-up counts too.
+    """
     outer = pytest_timeout_for(item)
-    if outer is not None:
-        margin = max(3.0, 0.1 * outer)
-        deadline = min(deadline, outer - margin if outer > margin else outer * 0.5)
-    return deadline
+    if outer is None:
+        return None
+    margin = max(3.0, 0.1 * outer)
+    return item_started + (outer - margin if outer > margin else outer * 0.5)

@@ -229,6 +229,11 @@ def rank_ctx(request: pytest.FixtureRequest) -> RankContextPlaceholder:
     return RankContextPlaceholder()
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_protocol(item: pytest.Item) -> None:
+    pytest_run.mark_started(item)
+
+
 def pytest_runtest_setup(item: pytest.Item) -> None:
     if world_size_of(item) is not None:
         pytest_run.check_resources(item)

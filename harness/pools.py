@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
+from harness.deadline import pg_timeout_for
 from harness.outcomes import Outcome, RankResult, RunResult
 from harness.task import RankTask
 
@@ -24,7 +25,7 @@ class RankPool(Protocol):
     launcher: str
     broken: bool
 
-    def start(self) -> None: ...
+    def start(self, timeout: float | None = None) -> None: ...
 
     def run(self, task: RankTask, deadline: float, peer_grace: float) -> RunResult: ...
 
@@ -76,10 +77,18 @@ class PoolManager:
         deadline: float,
         peer_grace: float,
         fresh: bool = False,
+        must_end_by: float | None = None,
     ) -> RunResult:
+        """Run ``task`` on the pool for ``key``, starting one if needed.
+
+        ``must_end_by`` (a ``time.monotonic()`` value) is an outer limit, such as
+        pytest-timeout's: the time spent starting a pool is taken from the deadline
+        so the harness still reports before that limit.
+        """
         started = time.monotonic()
+        start_budget = None if must_end_by is None else max(1.0, must_end_by - started)
         try:
-            pool = self._acquire(key)
+            pool = self._acquire(key, start_budget)
         except PoolStartFailure as exc:
             return RunResult(
                 results=exc.results,
@@ -89,6 +98,9 @@ class PoolManager:
                 finished_at=time.monotonic(),
                 harness_notes=[str(exc)],
             )
+        if must_end_by is not None:
+            deadline = max(0.5, min(deadline, must_end_by - time.monotonic()))
+            task = replace(task, pg_timeout=pg_timeout_for(deadline))
         try:
             run = pool.run(task, deadline, peer_grace)
         except BaseException:
@@ -98,14 +110,14 @@ class PoolManager:
             self._discard(key, recycled=pool.broken)
         return run
 
-    def _acquire(self, key: PoolKey) -> RankPool:
+    def _acquire(self, key: PoolKey, start_budget: float | None) -> RankPool:
         pool = self._pools.get(key)
         if pool is not None:
             return pool
         pool = self._factory(key)
         self.spawn_count += 1
         try:
-            pool.start()
+            pool.start(start_budget)
         except PoolStartFailure:
             raise
         except Exception as exc:

@@ -5,13 +5,14 @@ from __future__ import annotations
 import shlex
 import sys
 import threading
+import time
 from functools import partial
 
 import pytest
 
 from harness import summary
 from harness.config import DistSettings, device_count
-from harness.deadline import deadline_for, pg_timeout_for
+from harness.deadline import deadline_for, outer_limit_for, pg_timeout_for
 from harness.outcomes import Outcome, RunResult
 from harness.pools import PoolKey, PoolManager, RankPool
 from harness.report import DistributedFailure
@@ -19,6 +20,7 @@ from harness.task import RankTask, TaskPackingError, pack_call
 
 POOLS_KEY = pytest.StashKey[PoolManager]()
 RUN_KEY = pytest.StashKey[RunResult]()
+STARTED_KEY = pytest.StashKey[float]()
 
 _echo_lock = threading.Lock()
 
@@ -62,6 +64,10 @@ def _settings(item: pytest.Item) -> DistSettings:
     from harness.plugin import SETTINGS_KEY
 
     return item.config.stash[SETTINGS_KEY]
+
+
+def mark_started(item: pytest.Item) -> None:
+    item.stash[STARTED_KEY] = time.monotonic()
 
 
 def check_resources(item: pytest.Item) -> None:
@@ -118,6 +124,7 @@ def run_item(item: pytest.Function) -> None:
         deadline=deadline,
         peer_grace=settings.peer_grace,
         fresh=fresh,
+        must_end_by=outer_limit_for(item, item.stash.get(STARTED_KEY, time.monotonic())),
     )
     item.stash[RUN_KEY] = run
     for result in run.results:

@@ -79,6 +79,7 @@ class ProcessPool:
         self._task_counter = 0
         self._tmpdir: str | None = None
         self._store_server = None
+        self._start_timeout = spec.start_timeout
 
     # --- life cycle ----------------------------------------------------------------
 
@@ -94,7 +95,12 @@ class ProcessPool:
     def rendezvous_dir(self) -> str | None:
         return self._tmpdir
 
-    def start(self) -> None:
+    def start(self, timeout: float | None = None) -> None:
+        """Spawn the ranks and wait until all joined the process group.
+
+        ``timeout`` shortens the spec's start timeout (never lengthens it).
+        """
+        self._start_timeout = min(self.spec.start_timeout, timeout or self.spec.start_timeout)
         # mkdtemp creates the directory with mode 0700: the FileStore and the
         # stack dumps are readable by this user only.
         self._tmpdir = tempfile.mkdtemp(prefix="distconform-")
@@ -183,7 +189,7 @@ class ProcessPool:
         return env
 
     def _await_ready(self) -> None:
-        deadline = time.monotonic() + self.spec.start_timeout
+        deadline = time.monotonic() + self._start_timeout
         waiting = {r.conn: r for r in self._ranks}
         failed: list[RankResult] = []
         while waiting and not failed:
@@ -201,7 +207,7 @@ class ProcessPool:
                 RankResult(
                     rank=r.rank,
                     outcome=Outcome.HUNG,
-                    note=f"did not join the process group within {self.spec.start_timeout:.0f} s",
+                    note=f"did not join the process group within {self._start_timeout:.1f} s",
                     stacks=self._dump_stacks([r]).get(r.rank),
                 )
                 for r in waiting.values()
@@ -310,7 +316,7 @@ class ProcessPool:
         now = time.monotonic()
         for rank in unfinished:
             if timed_out:
-                outcome, note = Outcome.HUNG, f"still running at the {deadline:g} s deadline"
+                outcome, note = Outcome.HUNG, f"still running at the {deadline:.1f} s deadline"
             else:
                 outcome, note = Outcome.ABORTED_BY_PEER, "stopped after a peer failed"
             results[rank.rank] = RankResult(
@@ -332,7 +338,9 @@ class ProcessPool:
         )
         if abort_at is not None and abort_at < hard_stop:
             return f"ranks {stopped} were killed after the grace period that follows a failure"
-        return f"ranks {stopped} did not finish within the {deadline:g} s deadline and were killed"
+        return (
+            f"ranks {stopped} did not finish within the {deadline:.1f} s deadline and were killed"
+        )
 
     def _dump_stacks(self, ranks: list[_Rank]) -> dict[int, str]:
         """Ask each rank for all its threads' Python stacks; return what they wrote."""

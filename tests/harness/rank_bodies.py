@@ -1,0 +1,80 @@
+"""Functions the outcome tests run on ranks: each one misbehaves on one rank in one way."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import time
+
+import torch
+import torch.distributed as dist
+
+from harness import get_rank_context
+
+
+def all_reduce_rank_sum() -> float:
+    value = torch.tensor([float(dist.get_rank() + 1)])
+    dist.all_reduce(value)
+    return value.item()
+
+
+def raise_on(bad_rank: int) -> None:
+    if dist.get_rank() == bad_rank:
+        raise ValueError(f"deliberate failure on rank {bad_rank}")
+    dist.barrier()
+
+
+def raise_everywhere() -> None:
+    raise KeyError("the same error on every rank")
+
+
+def exit_on(bad_rank: int, code: int) -> None:
+    if dist.get_rank() == bad_rank:
+        os._exit(code)
+    dist.barrier()
+
+
+def signal_on(bad_rank: int, signum: int) -> None:
+    if dist.get_rank() == bad_rank:
+        if signum == signal.SIGSEGV:
+            ctypes.string_at(0)  # a real segmentation fault, not a raised signal
+        os.kill(os.getpid(), signum)
+        time.sleep(10)
+    dist.barrier()
+
+
+def spin_forever() -> None:
+    while True:
+        pass
+
+
+def loop_on(bad_rank: int) -> None:
+    if dist.get_rank() == bad_rank:
+        spin_forever()
+    dist.barrier()
+
+
+def skip_on(ranks: tuple[int, ...]) -> None:
+    import pytest
+
+    if dist.get_rank() in ranks:
+        pytest.skip(f"skipped on ranks {ranks}")
+
+
+def describe_rank() -> dict:
+    ctx = get_rank_context()
+    return {
+        "rank": ctx.rank,
+        "world_size": ctx.world_size,
+        "threads": torch.get_num_threads(),
+        "omp": os.environ.get("OMP_NUM_THREADS"),
+        "device": str(ctx.device),
+        "backend": dist.get_backend(),
+        "random": torch.rand(1).item(),
+    }
+
+
+def print_lines(count: int) -> None:
+    for index in range(count):
+        print(f"line {index} from rank {dist.get_rank()}")

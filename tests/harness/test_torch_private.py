@@ -1,0 +1,37 @@
+"""The audited private-torch accessors work on 2.13 and refuse any other version loudly."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from harness import _torch_private
+
+
+@pytest.mark.world_size(2)
+def test_live_process_groups_lists_default_and_new_groups(rank_ctx):
+    before = _torch_private.live_process_groups()
+    assert dist.group.WORLD in before
+    subgroup = dist.new_group([0, 1])
+    try:
+        assert subgroup in _torch_private.live_process_groups()
+        assert subgroup in list(_torch_private.iter_non_default_groups())
+        assert dist.group.WORLD not in list(_torch_private.iter_non_default_groups())
+    finally:
+        dist.destroy_process_group(subgroup)
+    assert subgroup not in _torch_private.live_process_groups()
+
+
+@pytest.mark.parametrize("version", ["2.14.0", "2.12.1+cpu", "3.0.0a0"])
+def test_every_accessor_refuses_an_unaudited_torch(monkeypatch, version):
+    monkeypatch.setattr(torch, "__version__", version)
+    with pytest.raises(_torch_private.PrivateTorchAccessError) as excinfo:
+        _torch_private.live_process_groups()
+    message = str(excinfo.value)
+    assert "live_process_groups" in message and version in message
+    assert "AUDITED_TORCH" in message
+
+
+def test_the_installed_torch_is_audited():
+    assert _torch_private.installed_torch_version() in _torch_private.AUDITED_TORCH
