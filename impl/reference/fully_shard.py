@@ -117,6 +117,12 @@ def _manage(
     for m in modules:
         if not isinstance(m, nn.Module):
             raise TypeError(f"{api} expects an nn.Module or a list of them, got {type(m).__name__}")
+        if type(m).forward is nn.Module.forward:
+            raise ValueError(
+                f"{api} needs a module with a forward (its hooks drive unshard/reshard); "
+                f"{type(m).__name__} has none: apply {api} to its children or to the module "
+                f"that owns it"
+            )
         if state_of(m) is not None:
             kind = "replicate" if state_of(m).replicated else "fully_shard"
             raise RuntimeError(f"{api}: {type(m).__name__} is already managed by {kind}")

@@ -1,0 +1,92 @@
+"""Misuse fails with an error that says what is wrong (cases.md §2.8, §5.1 items 1 and 6)."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+from torch import nn
+from torch.distributed.tensor import Shard
+
+
+class TiedModel(nn.Module):
+    def __init__(self, vocab_size: int = 17, dim: int = 16) -> None:
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(vocab_size, dim)
+        self.output = nn.Linear(dim, vocab_size, bias=False)
+        self.output.weight = self.tok_embeddings.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.output(self.tok_embeddings(ids))
+
+
+@pytest.mark.world_size(2)
+def test_weight_tied_across_groups_fails_at_first_forward(rank_ctx, impl):
+    model = TiedModel()
+    impl.fully_shard(model.tok_embeddings)
+    impl.fully_shard(model.output)
+    impl.fully_shard(model)  # no error yet: the check runs at lazy init
+    with pytest.raises(ValueError, match="already managed by another"):
+        model(torch.randint(0, 17, (2, 8)))
+
+
+class Stack(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+@pytest.mark.world_size(2)
+def test_layer_by_layer_sharding_has_no_false_tie(rank_ctx, impl):
+    # Blocks created, sharded and dropped one by one may reuse ids of freed tensors.
+    model = Stack()
+    for _ in range(8):
+        block = nn.Sequential(nn.LayerNorm(16), nn.Linear(16, 16, bias=False))
+        model.blocks.append(block)
+        impl.fully_shard(block)
+        gc.collect()
+    impl.fully_shard(model)
+    model(torch.randn(2, 4, 16)).sum().backward()
+    assert all(p.grad is not None for p in model.parameters())
+
+
+@pytest.mark.world_size(2)
+def test_containers_without_forward_are_refused(rank_ctx, impl):
+    with pytest.raises(ValueError, match="forward"):
+        impl.fully_shard(nn.ModuleList([nn.Linear(2, 2)]))
+
+
+@pytest.mark.world_size(4)
+def test_non_leading_shard_dim_must_divide_evenly(rank_ctx, impl):
+    model = nn.Linear(6, 8)  # weight (8, 6): dim 1 has 6 columns, not divisible by 4
+    with pytest.raises(Exception, match=r"(?i)even|divisib|uneven") as info:
+        impl.fully_shard(model, shard_placement_fn=lambda p: Shard(p.ndim - 1))
+    assert isinstance(info.value, (ValueError, NotImplementedError, AssertionError)), info.value
+
+
+@pytest.mark.world_size(4)
+@pytest.mark.parametrize("raf", [3, 0, 8], ids=lambda v: f"raf={v}")
+def test_reshard_after_forward_int_must_divide_the_world(rank_ctx, impl, raf):
+    with pytest.raises(ValueError, match="reshard_after_forward"):
+        impl.fully_shard(nn.Linear(4, 4), reshard_after_forward=raf)
+
+
+@pytest.mark.world_size(2)
+def test_replicate_after_fully_shard_is_refused(rank_ctx, impl):
+    model = nn.Linear(4, 4)
+    impl.fully_shard(model)
+    with pytest.raises(RuntimeError, match="already managed by"):
+        impl.replicate(model)
+
+
+@pytest.mark.world_size(4)
+def test_replicate_needs_a_1d_mesh(rank_ctx, impl):
+    mesh = rank_ctx.mesh((2, 2), ("a", "b"))
+    with pytest.raises(ValueError, match=r"1-?D"):
+        impl.replicate(nn.Linear(4, 4), mesh=mesh)
