@@ -124,7 +124,7 @@ class ThreadedWork(dist.Work):
         """
         future: torch.futures.Future = torch.futures.Future()
         meeting = self._meeting
-        with self._world.cond:
+        with self._world.lock:
             if meeting.done:
                 future.set_result(self._result)
             elif meeting.error is not None:

@@ -46,7 +46,6 @@ from harness import _torch_private
 from harness.threads.backend import BACKEND_NAME, ThreadedProcessGroup, register_threaded_backend
 from harness.threads.store import RunStore
 from harness.threads.world import (
-    DONE,
     CollectiveDeadlockError,
     RankAbortedError,
     ThreadWorld,
@@ -238,12 +237,12 @@ class ThreadRunner:
         return result
 
     def _wait(self, world: ThreadWorld, end: float) -> bool:
-        with world.cond:
-            while not all(s == DONE for s in world.state):
+        with world.lock:
+            while not world.all_done():
                 remaining = end - time.monotonic()
                 if remaining <= 0:
                     return False
-                world.cond.wait(remaining)
+                world.main_cond.wait(remaining)
         return True
 
     def _abandon(

@@ -47,28 +47,25 @@ class RunStore(dist.Store):
             raise dist.DistStoreError(str(error)) from None
 
     def set(self, key: str, value: str | bytes) -> None:
-        with self._world.cond:
+        with self._world.lock:
             self._data[key] = _as_bytes(value)
-            self._world.cond.notify_all()
 
     def get(self, key: str) -> bytes:
         self._block([key], f"store.get({key!r})", None)
         return self._data[key]
 
     def add(self, key: str, amount: int) -> int:
-        with self._world.cond:
+        with self._world.lock:
             value = int(self._data.get(key, b"0")) + amount
             self._data[key] = str(value).encode()
-            self._world.cond.notify_all()
             return value
 
     def compare_set(self, key: str, expected: str | bytes, desired: str | bytes) -> bytes:
-        with self._world.cond:
+        with self._world.lock:
             current = self._data.get(key)
             expected_b = _as_bytes(expected)
             if (current is None and expected_b == b"") or current == expected_b:
                 self._data[key] = _as_bytes(desired)
-                self._world.cond.notify_all()
                 return self._data[key]
             return current if current is not None else expected_b
 
@@ -79,7 +76,7 @@ class RunStore(dist.Store):
         return all(k in self._data for k in keys)
 
     def delete_key(self, key: str) -> bool:
-        with self._world.cond:
+        with self._world.lock:
             return self._data.pop(key, None) is not None
 
     def num_keys(self) -> int:

@@ -24,6 +24,7 @@ a description of what each rank waits for (no need to wait for the deadline).
 
 from __future__ import annotations
 
+import collections
 import functools
 import random
 import sys
@@ -154,11 +155,21 @@ class Meeting:
 
 
 class ThreadWorld:
-    """Everything the rank threads of one run share. One instance per run."""
+    """Everything the rank threads of one run share. One instance per run.
+
+    The baton is handed over explicitly: a rank that gives it up picks the next runnable
+    rank (first come, first served; ranks whose wait is over join the queue in rank
+    order) and wakes only that thread. Every hand-over therefore wakes exactly one
+    thread (no herd of threads fighting for the GIL to re-check a condition), and the
+    interleaving of a run is the same every time it is repeated.
+    """
 
     def __init__(self, world_size: int, seed: int = 0) -> None:
         self.world_size = world_size
-        self.cond = threading.Condition(threading.Lock())
+        self.lock = threading.Lock()
+        self._wake = [threading.Condition(self.lock) for _ in range(world_size)]
+        self.main_cond = threading.Condition(self.lock)  # the runner waits here
+        self._queue: collections.deque[int] = collections.deque()
         self.owner: int | None = None
         self.state = [STARTING] * world_size
         self._waiting_for: list[Callable[[], bool] | None] = [None] * world_size
@@ -173,37 +184,93 @@ class ThreadWorld:
         self._p2p_counts: dict[tuple[Any, ...], int] = {}
         self.store_data: dict[str, bytes] = {}
 
-    # --- the baton ---------------------------------------------------------------------
+    # --- the baton (every method below runs with self.lock held) ----------------------
 
-    def _acquire(self, rank: int) -> None:
-        self.state[rank] = RUNNABLE
-        while self.owner is not None and not self.abandoned:
-            self.cond.wait()
-        if self.abandoned:
-            # After a hang the holder may never give the baton back; unwinding ranks run
-            # without it (their RNG streams no longer matter).
-            self.state[rank] = RUNNING
-            return
-        self.owner = rank
+    def _wait_for_baton(self, rank: int, end: float | None = None) -> bool:
+        """Sleep until the baton is handed to ``rank``; False if ``end`` passed first."""
+        while self.owner != rank and not self.abandoned:
+            remaining = None if end is None else end - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                return False
+            self._wake[rank].wait(remaining)
+        return True
+
+    def _start_running(self, rank: int) -> None:
         self.state[rank] = RUNNING
-        self.rng.switch_to(rank)
+        if not self.abandoned:
+            # After a hang the holder may never give the baton back; ranks released by the
+            # abandon unwind without it, and their RNG streams no longer matter.
+            self.rng.switch_to(rank)
+
+    def _queue_rank(self, rank: int) -> None:
+        self.state[rank] = RUNNABLE
+        self._queue.append(rank)
+        if self.owner is None:
+            self._hand_off()
 
     def _release(self, rank: int, new_state: int) -> None:
+        self.state[rank] = new_state
         if self.owner == rank:
             self.owner = None
-        self.state[rank] = new_state
-        self.cond.notify_all()
-        self._detect_deadlock()
+            self._hand_off()
+        elif new_state == DONE and all(s == DONE for s in self.state):
+            self.main_cond.notify_all()
+
+    def _hand_off(self) -> None:
+        """Give the free baton to the next runnable rank, detecting deadlocks on the way."""
+        for rank, state in enumerate(self.state):
+            if state == BLOCKED:
+                ready = self._waiting_for[rank]
+                if self.abort_error is not None or ready is None or ready():
+                    self.state[rank] = RUNNABLE
+                    self._queue.append(rank)
+        if not self._queue:
+            self._detect_deadlock()
+        if self._queue:
+            self.owner = self._queue.popleft()
+            self._wake[self.owner].notify()
+        elif all(s == DONE for s in self.state):
+            self.main_cond.notify_all()
+
+    def _detect_deadlock(self) -> None:
+        # Called with no runnable rank and nobody holding the baton: if no rank is still
+        # starting and some wait, nothing can ever make their waits come true.
+        if self.abort_error is not None or STARTING in self.state:
+            return
+        blocked = [rank for rank, state in enumerate(self.state) if state == BLOCKED]
+        if not blocked:
+            return
+        lines = [
+            f"  rank {rank}: finished"
+            if state == DONE
+            else f"  rank {rank}: waits in {self._blocked_on[rank]}"
+            for rank, state in enumerate(self.state)
+        ]
+        self.abort_error = CollectiveDeadlockError(
+            "deadlock: every unfinished rank waits for a collective that can never "
+            "complete\n" + "\n".join(lines)
+        )
+        for rank in blocked:
+            self.state[rank] = RUNNABLE
+            self._queue.append(rank)
 
     def enter(self, rank: int) -> None:
         """Called first thing on a rank thread: wait for the baton."""
-        with self.cond:
-            self._acquire(rank)
+        with self.lock:
+            if self.owner is None and not self._queue:
+                self.owner = rank
+            else:
+                self._queue_rank(rank)
+                self._wait_for_baton(rank)
+            self._start_running(rank)
 
     def leave(self, rank: int) -> None:
         """Called last thing on a rank thread."""
-        with self.cond:
+        with self.lock:
             self._release(rank, DONE)
+
+    def all_done(self) -> bool:
+        return all(s == DONE for s in self.state)
 
     def _check_running(self, rank: int, what: str) -> None:
         if self.owner != rank and not self.abandoned:
@@ -216,20 +283,23 @@ class ThreadWorld:
     # --- abort ---------------------------------------------------------------------------
 
     def fail(self, rank: int, error: BaseException) -> None:
-        """A rank failed: release every pending and future wait of the other ranks."""
-        with self.cond:
+        """A rank failed: every pending and future wait of the other ranks raises."""
+        with self.lock:
             if self.abort_error is None:
                 self.abort_error = error
                 self.failed_rank = rank
-                self.cond.notify_all()
+            # The waiting ranks join the queue when this rank gives the baton up.
+            if self.owner is None:
+                self._hand_off()
 
     def abandon(self, reason: str) -> None:
         """Deadline passed: release waiting ranks, even without the baton."""
-        with self.cond:
+        with self.lock:
             if self.abort_error is None:
                 self.abort_error = RunAbandonedError(reason)
             self.abandoned = True
-            self.cond.notify_all()
+            for wake in self._wake:
+                wake.notify_all()
 
     def _aborted(self, what: str) -> BaseException:
         error = self.abort_error
@@ -243,44 +313,13 @@ class ThreadWorld:
             self.failed_rank,
         )
 
-    def check_alive(self, rank: int, what: str) -> None:
-        """Raise at once if the run is aborted: a failed peer will never join anything."""
-        if self.abort_error is not None:
-            raise self._aborted(what)
-
-    def _detect_deadlock(self) -> None:
-        if self.owner is not None or self.abort_error is not None:
-            return
-        blocked = []
-        for rank, state in enumerate(self.state):
-            if state in (STARTING, RUNNABLE, RUNNING):
-                return
-            if state == BLOCKED:
-                ready = self._waiting_for[rank]
-                if ready is None or ready():
-                    return  # about to wake up
-                blocked.append(rank)
-        if not blocked:
-            return
-        lines = []
-        for rank, state in enumerate(self.state):
-            if state == DONE:
-                lines.append(f"  rank {rank}: finished")
-            else:
-                lines.append(f"  rank {rank}: waits in {self._blocked_on[rank]}")
-        self.abort_error = CollectiveDeadlockError(
-            "deadlock: every unfinished rank waits for a collective that can never "
-            "complete\n" + "\n".join(lines)
-        )
-        self.cond.notify_all()
-
     # --- blocking --------------------------------------------------------------------------
 
     def wait_until(
         self, rank: int, ready: Callable[[], bool], what: str, timeout: float | None = None
     ) -> None:
         """Block rank (baton given up) until ``ready()``; raise if the run aborts first."""
-        with self.cond:
+        with self.lock:
             self._check_running(rank, what)
             if ready():
                 return
@@ -288,20 +327,19 @@ class ThreadWorld:
                 raise self._aborted(what)
             self._waiting_for[rank] = ready
             self._blocked_on[rank] = what
-            self._release(rank, BLOCKED)
-            end = None if timeout is None else time.monotonic() + timeout
             timed_out = False
             try:
-                while not ready() and self.abort_error is None:
-                    remaining = None if end is None else end - time.monotonic()
-                    if remaining is not None and remaining <= 0:
+                self._release(rank, BLOCKED)
+                end = None if timeout is None else time.monotonic() + timeout
+                if not self._wait_for_baton(rank, end):
+                    if self.state[rank] == BLOCKED:  # not already queued by a hand-off
                         timed_out = True
-                        break
-                    self.cond.wait(remaining)
+                        self._queue_rank(rank)
+                    self._wait_for_baton(rank)
             finally:
                 self._waiting_for[rank] = None
                 self._blocked_on[rank] = None
-                self._acquire(rank)
+            self._start_running(rank)
             if ready():
                 return
             if timed_out:
@@ -324,7 +362,7 @@ class ThreadWorld:
         what: str,
     ) -> Meeting:
         """Deposit this rank's payload; the last arrival moves the data for everyone."""
-        with self.cond:
+        with self.lock:
             self._check_running(rank, what)
             if self.abort_error is not None:
                 raise self._aborted(what)
@@ -337,7 +375,6 @@ class ThreadWorld:
                     f"group {group!r} position {key}: ranks disagree on the collective: "
                     f"{meeting.what} with {meeting.params} vs {what} with {params}"
                 )
-                self.cond.notify_all()
             if meeting.error is not None:
                 raise type(meeting.error)(str(meeting.error))
             if slot in meeting.payloads:
@@ -350,23 +387,25 @@ class ThreadWorld:
                         execute(meeting.payloads)
                 except BaseException as error:
                     meeting.error = error
+                    for future, _ in meeting.futures:
+                        future.set_exception(error)
                 else:
                     meeting.done = True
                     for future, value in meeting.futures:
                         future.set_result(value)
-                self.cond.notify_all()
+                # Ranks waiting for this meeting join the queue at the next hand-over.
             return meeting
 
     def next_p2p_index(self, key: tuple[Any, ...]) -> int:
         """n-th send from src to dst with a tag pairs with the n-th matching recv."""
-        with self.cond:
+        with self.lock:
             index = self._p2p_counts.get(key, 0)
             self._p2p_counts[key] = index + 1
             return index
 
     def pending_meetings(self) -> list[str]:
         """Collectives some ranks issued and others never joined (for end-of-run checks)."""
-        with self.cond:
+        with self.lock:
             return [
                 f"{m.what} on group {group!r}: joined by {sorted(m.payloads)} of {m.size}"
                 for group, meetings in self._meetings.items()
@@ -375,7 +414,7 @@ class ThreadWorld:
             ]
 
     def describe_states(self) -> dict[int, str]:
-        with self.cond:
+        with self.lock:
             return {
                 rank: (
                     f"waits in {self._blocked_on[rank]}"
