@@ -169,7 +169,9 @@ class ThreadWorld:
         self.lock = threading.Lock()
         self._wake = [threading.Condition(self.lock) for _ in range(world_size)]
         self.main_cond = threading.Condition(self.lock)  # the runner waits here
-        self._queue: collections.deque[int] = collections.deque()
+        # Ranks start in rank order: the queue begins with all of them, so a rank thread
+        # the OS happens to schedule early still waits for its turn.
+        self._queue: collections.deque[int] = collections.deque(range(world_size))
         self.owner: int | None = None
         self.state = [STARTING] * world_size
         self._waiting_for: list[Callable[[], bool] | None] = [None] * world_size
@@ -257,11 +259,9 @@ class ThreadWorld:
     def enter(self, rank: int) -> None:
         """Called first thing on a rank thread: wait for the baton."""
         with self.lock:
-            if self.owner is None and not self._queue:
-                self.owner = rank
-            else:
-                self._queue_rank(rank)
-                self._wait_for_baton(rank)
+            if self.owner is None and self._queue and self._queue[0] == rank:
+                self.owner = self._queue.popleft()
+            self._wait_for_baton(rank)
             self._start_running(rank)
 
     def leave(self, rank: int) -> None:

@@ -80,6 +80,36 @@ def test_seed_option():
     assert result.values == [_reference_draws(7, 1)[0]] * 2
 
 
+def _log_interleaving(log: list) -> None:
+    r = dist.get_rank()
+    peer = r + 1 if r % 2 == 0 else r - 1
+    for step in range(3):
+        log.append((r, step, "issue"))
+        work = dist.all_reduce(torch.ones(1), async_op=True)
+        if (r + step) % 2:
+            work.wait()
+            log.append((r, step, "reduced"))
+        p2p = (
+            dist.isend(torch.ones(1), peer)
+            if r % 2 == step % 2
+            else dist.irecv(torch.ones(1), peer)
+        )
+        p2p.wait()
+        log.append((r, step, "exchanged"))
+        work.wait()
+    log.append((r, "end"))
+
+
+def test_interleaving_is_repeatable(runners):
+    logs = []
+    for _ in range(5):
+        log: list = []
+        runners.run(4, _log_interleaving, log)
+        logs.append(log)
+    assert logs[0][:4] == [(0, 0, "issue"), (1, 0, "issue"), (2, 0, "issue"), (3, 0, "issue")]
+    assert all(log == logs[0] for log in logs)
+
+
 # --- failures release the other ranks ------------------------------------------------------
 
 
