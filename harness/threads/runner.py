@@ -213,7 +213,11 @@ class ThreadRunner:
         try:
             for thread in threads:
                 thread.start()
-            finished = self._wait(world, start + limit)
+            try:
+                finished = self._wait(world, start + limit)
+            except BaseException:  # KeyboardInterrupt: release the ranks before leaving
+                world.abandon("the runner was interrupted")
+                raise
             result = RunResult(self.world_size, [], 0.0)
             if not finished:
                 self._abandon(world, threads, runs, limit, result)
@@ -303,12 +307,13 @@ class ThreadRunner:
         kwargs: dict[str, Any],
         limit: float,
     ) -> None:
-        bind_rank(world, rank)
-        _torch_private.bind_thread_to_fresh_c10d_world()
-        world.enter(rank)
         run = runs[rank] = RankRun(rank, RankOutcome.PASSED, time.monotonic())
         initialized = False
         try:
+            bind_rank(world, rank)
+            _torch_private.bind_thread_to_fresh_c10d_world()
+            world.enter(rank)
+            run.started_at = time.monotonic()
             dist.init_process_group(
                 backend=BACKEND_NAME,
                 store=store,
@@ -336,9 +341,11 @@ class ThreadRunner:
                         _record_error(run, error)
                         world.fail(rank, error)
             run.finished_at = time.monotonic()
-            _torch_private.unbind_thread_c10d_world()
-            bind_rank(None)
-            world.leave(rank)
+            try:
+                _torch_private.unbind_thread_c10d_world()
+                bind_rank(None)
+            finally:
+                world.leave(rank)  # always: the others (and the runner) wait for it
 
 
 def _record_error(run: RankRun, error: BaseException) -> None:

@@ -16,6 +16,10 @@ little; the gain is determinism and correctness of every RNG-dependent test. A r
 that blocks on anything else (``time.sleep``, a lock, I/O that never completes) keeps the
 baton and stalls the others: the runner's deadline reports it as hung, with stacks.
 
+Not isolated: CUDA generators (thread ranks are a CPU tier), numpy imported only after a
+run started, and other process-wide settings (default dtype, ``torch.set_num_threads``,
+deterministic-algorithm flags): a rank that changes them changes them for all.
+
 Because only the baton holder runs and every blocking point is known, a global deadlock is
 detected immediately: when no rank holds or waits for the baton and every unfinished rank
 waits for something that is not ready, nothing can ever change, so the run is aborted with
@@ -212,6 +216,8 @@ class ThreadWorld:
 
     def _release(self, rank: int, new_state: int) -> None:
         self.state[rank] = new_state
+        if new_state == DONE and rank in self._queue:
+            self._queue.remove(rank)  # a rank thread that died before taking its turn
         if self.owner == rank:
             self.owner = None
             self._hand_off()
