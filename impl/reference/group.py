@@ -109,15 +109,19 @@ class ParamGroup:
     # --- unshard / reshard -------------------------------------------------------------
 
     def unshard(self, async_op: bool = False) -> None:
-        if self.is_unsharded or self._pending_all_gather is not None:
+        """Start the all-gather (if not already started); unless ``async_op``, finish it."""
+        if self.is_unsharded:
             return
         if not self.gathers:
             self._register_unsharded()
             return
-        self._check_sharded_storage()
-        output = self.sharded_flat.new_empty(self.world_size * self.flat_numel)
-        work = collectives.all_gather_flat(output, self.sharded_flat, self.process_group, async_op)
-        self._pending_all_gather = (work, output)
+        if self._pending_all_gather is None:
+            self._check_sharded_storage()
+            output = self.sharded_flat.new_empty(self.world_size * self.flat_numel)
+            work = collectives.all_gather_flat(
+                output, self.sharded_flat, self.process_group, async_op
+            )
+            self._pending_all_gather = (work, output)
         if not async_op:
             self.wait_for_unshard()
 
@@ -191,10 +195,6 @@ class ParamGroup:
                 )
 
     # --- backward ----------------------------------------------------------------------
-
-    def pre_backward(self) -> None:
-        self.in_backward = True
-        self.unshard()
 
     def _on_grad_accumulated(self, index: int) -> None:
         self._grads_ready.add(index)
