@@ -47,6 +47,7 @@ class RankResult:
     output: str = ""
     comm_error: bool = False
     note: str | None = None
+    hygiene: list[str] = field(default_factory=list)
 
     @property
     def duration(self) -> float | None:
@@ -87,6 +88,11 @@ class RunResult:
     started_at: float
     finished_at: float
     harness_notes: list[str] = field(default_factory=list)
+
+    @property
+    def hygiene_violations(self) -> dict[int, list[str]]:
+        """What each rank left behind that forced the pool to be recycled."""
+        return {r.rank: r.hygiene for r in self.results if r.hygiene}
 
     @property
     def world_size(self) -> int:

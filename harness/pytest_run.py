@@ -15,6 +15,7 @@ from harness.config import DistSettings, device_count
 from harness.deadline import deadline_for, outer_limit_for, pg_timeout_for
 from harness.outcomes import Outcome, RunResult
 from harness.pools import PoolKey, PoolManager, RankPool
+from harness.process.spawning import close_shared_zygote
 from harness.report import DistributedFailure
 from harness.task import RankTask, TaskPackingError, pack_call
 
@@ -23,6 +24,10 @@ RUN_KEY = pytest.StashKey[RunResult]()
 STARTED_KEY = pytest.StashKey[float]()
 
 _echo_lock = threading.Lock()
+
+
+class HygieneWarning(pytest.PytestWarning):
+    """A distributed test left something behind on its ranks; their pool was recycled."""
 
 
 def _echo(text: str) -> None:
@@ -58,6 +63,7 @@ def unconfigure(config: pytest.Config) -> None:
     pools = config.stash.get(POOLS_KEY, None)
     if pools is not None:
         pools.shutdown()
+    close_shared_zygote()
 
 
 def _settings(item: pytest.Item) -> DistSettings:
@@ -130,10 +136,21 @@ def run_item(item: pytest.Function) -> None:
     for result in run.results:
         if result.output:
             item.add_report_section("call", f"output rank {result.rank}", result.output)
+    for violation, ranks in _group_by_violation(run).items():
+        listed = ", ".join(str(rank) for rank in ranks)
+        item.warn(HygieneWarning(f"{violation} (ranks {listed}); the pool was recycled"))
     item.user_properties.append(
         ("rank_outcomes", " ".join(f"{r.rank}:{r.outcome.value}" for r in run.results))
     )
     _conclude(item, settings, run)
+
+
+def _group_by_violation(run: RunResult) -> dict[str, list[int]]:
+    grouped: dict[str, list[int]] = {}
+    for rank, violations in run.hygiene_violations.items():
+        for violation in violations:
+            grouped.setdefault(violation, []).append(rank)
+    return grouped
 
 
 def _conclude(item: pytest.Function, settings: DistSettings, run: RunResult) -> None:

@@ -22,11 +22,11 @@ from datetime import timedelta
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
 
-import harness
 from harness.outcomes import Outcome, RankResult, RunResult
 from harness.pools import PoolStartFailure
 from harness.process.output import RankOutput
-from harness.process.worker import EXIT_PARENT_GONE, WorkerSpec
+from harness.process.spawning import RankHandle, start_rank, with_package_on_path
+from harness.process.worker import EXIT_PARENT_GONE, BetweenTestsCheck, WorkerSpec
 from harness.task import RankTask
 
 # How long the parent waits for a rank's output after it has finished or died.
@@ -43,6 +43,7 @@ class ProcessPoolSpec:
     threads_per_rank: int
     start_timeout: float = 120.0
     rendezvous: str = "file"
+    start_method: str = "forkserver"
     env: tuple[tuple[str, str], ...] = ()
     echo: Callable[[str], None] | None = field(default=None, compare=False)
 
@@ -50,7 +51,7 @@ class ProcessPoolSpec:
 @dataclass
 class _Rank:
     rank: int
-    popen: subprocess.Popen
+    popen: RankHandle
     conn: Connection
     output: RankOutput
     stack_path: Path
@@ -75,7 +76,6 @@ class ProcessPool:
         self.spec = spec
         self.broken = False
         self._ranks: list[_Rank] = []
-        self._pgid: int | None = None
         self._task_counter = 0
         self._tmpdir: str | None = None
         self._store_server = None
@@ -155,30 +155,16 @@ class ProcessPool:
             sys_path=tuple(p for p in sys.path if p),
         )
         try:
-            popen = subprocess.Popen(
-                [sys.executable, "-m", "harness.process.worker", spec.to_json()],
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                pass_fds=(child_sock.fileno(),),
-                env=self._rank_env(),
-                # Rank 0 leads a new process group that every other rank joins, so
-                # one killpg takes the ranks and anything they started.
-                process_group=0 if self._pgid is None else self._pgid,
+            process = start_rank(
+                self.spec.start_method, spec.to_json(), self._rank_env(), child_sock.fileno()
             )
         finally:
             child_sock.close()
-        if self._pgid is None:
-            self._pgid = popen.pid
-        output = RankOutput(rank, popen.stdout, self.spec.echo)
-        return _Rank(rank, popen, Connection(parent_sock.detach()), output, stack_path)
+        output = RankOutput(rank, process.stdout, self.spec.echo)
+        return _Rank(rank, process, Connection(parent_sock.detach()), output, stack_path)
 
     def _rank_env(self) -> dict[str, str]:
-        env = dict(os.environ)
-        package_root = str(Path(harness.__file__).resolve().parent.parent)
-        env["PYTHONPATH"] = os.pathsep.join(
-            [package_root, *filter(None, env.get("PYTHONPATH", "").split(os.pathsep))]
-        )
+        env = with_package_on_path(dict(os.environ))
         env["PYTHONUNBUFFERED"] = "1"
         threads = str(self.spec.threads_per_rank)
         env["OMP_NUM_THREADS"] = threads
@@ -203,11 +189,16 @@ class ProcessPool:
                 except (EOFError, OSError):
                     failed.append(self._crash_result(rank, started_at=None))
         if failed or waiting:
+            if failed:
+                outcome, note = Outcome.ABORTED_BY_PEER, "stopped: another rank failed to start"
+            else:
+                outcome = Outcome.HUNG
+                note = f"did not join the process group within {self._start_timeout:.1f} s"
             results = failed + [
                 RankResult(
                     rank=r.rank,
-                    outcome=Outcome.HUNG,
-                    note=f"did not join the process group within {self._start_timeout:.1f} s",
+                    outcome=outcome,
+                    note=note,
                     stacks=self._dump_stacks([r]).get(r.rank),
                 )
                 for r in waiting.values()
@@ -240,13 +231,9 @@ class ProcessPool:
         self.kill()
 
     def kill(self) -> None:
-        if self._pgid is not None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self._pgid, signal.SIGKILL)
         for rank in self._ranks:
-            if rank.popen.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    rank.popen.kill()
+            rank.popen.kill_group()
+        for rank in self._ranks:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 rank.popen.wait(timeout=5.0)
             for stream in (rank.popen.stdin, rank.conn):
@@ -292,8 +279,10 @@ class ProcessPool:
             self._stop_unfinished(list(pending.values()), results, started, deadline, abort_at)
             notes.append(self._stop_note(results, deadline, abort_at, hard_stop))
         self._attach_output(task, results, marks)
-        if any(r.outcome is not Outcome.PASSED for r in results.values()):
+        if any(r.outcome not in _CLEAN_OUTCOMES or r.hygiene for r in results.values()):
             self.broken = True
+        else:
+            self._check_between_tests(results, min(_BETWEEN_TESTS_TIMEOUT_S, deadline))
         return RunResult(
             results=sorted_results(results.values()),
             seed=task.seed,
@@ -302,6 +291,26 @@ class ProcessPool:
             finished_at=time.monotonic(),
             harness_notes=notes,
         )
+
+    def _check_between_tests(self, results: dict[int, RankResult], timeout: float) -> None:
+        """A barrier with a deadline on the default group, so the next test starts clean."""
+        for rank in self._ranks:
+            rank.conn.send(BetweenTestsCheck(timeout))
+        end = time.monotonic() + timeout + _OUTPUT_SETTLE_S
+        pending = {r.conn: r for r in self._ranks}
+        while pending and time.monotonic() < end:
+            for conn in wait(list(pending), timeout=max(0.0, end - time.monotonic())):
+                rank = pending.pop(conn)
+                try:
+                    results[rank.rank].hygiene.extend(conn.recv())
+                except (EOFError, OSError):
+                    results[rank.rank].hygiene.append("the rank died after the test")
+        for rank in pending.values():
+            results[rank.rank].hygiene.append(
+                f"the rank did not finish the between-tests barrier within {timeout:g} s"
+            )
+        if any(r.hygiene for r in results.values()):
+            self.broken = True
 
     def _stop_unfinished(
         self,
@@ -392,6 +401,10 @@ class ProcessPool:
                 rank.output.wait_closed(_OUTPUT_SETTLE_S)
             results[rank.rank].output = rank.output.text_since(marks[rank.rank])
             rank.stack_offset = _file_size(rank.stack_path)
+
+
+_CLEAN_OUTCOMES = frozenset({Outcome.PASSED, Outcome.SKIPPED, Outcome.XFAILED})
+_BETWEEN_TESTS_TIMEOUT_S = 30.0
 
 
 def _is_primary(result: RankResult) -> bool:

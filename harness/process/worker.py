@@ -48,12 +48,8 @@ class WorkerSpec:
         return cls(**data)
 
 
-def _die_with_parent(parent_pid: int) -> None:
-    """Two independent guards, so no rank outlives a killed pytest.
-
-    PR_SET_PDEATHSIG delivers SIGKILL when the parent exits; EOF on stdin (whose
-    write end only the parent holds) catches the cases the signal misses.
-    """
+def set_parent_death_signal(parent_pid: int) -> None:
+    """SIGKILL us when our parent exits (Linux); exit now if it already has."""
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
@@ -62,9 +58,19 @@ def _die_with_parent(parent_pid: int) -> None:
     if os.getppid() != parent_pid:
         os._exit(EXIT_PARENT_GONE)
 
+
+def die_with_parent(parent_pid: int) -> None:
+    """Two independent guards, so no rank outlives a killed pytest.
+
+    The parent-death signal catches the parent's exit; EOF on stdin (whose write end
+    only the pytest process holds) catches what the signal misses, such as a rank
+    forked by the zygote whose pytest died while the zygote lingered.
+    """
+    set_parent_death_signal(parent_pid)
+
     def exit_on_eof() -> None:
         try:
-            while sys.stdin.buffer.read(4096):
+            while os.read(0, 4096):
                 pass
         finally:
             os._exit(EXIT_PARENT_GONE)
@@ -78,6 +84,13 @@ def _install_stack_dumps(stack_path: str) -> None:
     stack_file = open(stack_path, "w")  # noqa: SIM115
     faulthandler.enable(file=stack_file, all_threads=True)
     faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True, chain=False)
+
+
+@dataclass(frozen=True)
+class BetweenTestsCheck:
+    """Sent to every rank after a clean test: the default group must still work."""
+
+    timeout: float
 
 
 def _make_store(store: dict[str, Any], world_size: int, timeout: timedelta) -> Any:
@@ -137,6 +150,7 @@ def serve(spec: WorkerSpec) -> None:
 
     import torch
 
+    from harness import hygiene
     from harness.process.output import end_marker_line
     from harness.rank_exec import run_task
 
@@ -151,8 +165,13 @@ def serve(spec: WorkerSpec) -> None:
             return
         if task is None:
             return
+        if isinstance(task, BetweenTestsCheck):
+            conn.send(hygiene.check_default_group(task.timeout))
+            continue
         ctx = dataclasses.replace(base_ctx, seed=task.seed)
+        before = hygiene.take_snapshot()
         result = run_task(task, ctx)
+        result.hygiene = hygiene.clean_up_after_test(before)
         sys.stdout.flush()
         sys.stderr.flush()
         os.write(1, end_marker_line(task.task_id))
@@ -161,7 +180,7 @@ def serve(spec: WorkerSpec) -> None:
 
 def main(argv: list[str]) -> None:
     spec = WorkerSpec.from_json(argv[1])
-    _die_with_parent(spec.parent_pid)
+    die_with_parent(spec.parent_pid)
     _install_stack_dumps(spec.stack_path)
     for entry in reversed(spec.sys_path):
         if entry not in sys.path:

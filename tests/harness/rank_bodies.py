@@ -78,3 +78,30 @@ def describe_rank() -> dict:
 def print_lines(count: int) -> None:
     for index in range(count):
         print(f"line {index} from rank {dist.get_rank()}")
+
+
+def build_2d_mesh_and_reduce() -> float:
+    ctx = get_rank_context()
+    mesh = ctx.mesh((2, ctx.world_size // 2), ("replicate", "shard"))
+    value = torch.ones(1)
+    dist.all_reduce(value, group=mesh.get_group("shard"))
+    return value.item()
+
+
+def leak_a_thread() -> None:
+    import threading
+
+    threading.Thread(target=time.sleep, args=(30,), name="leaky", daemon=True).start()
+
+
+def leak_an_env_var() -> None:
+    os.environ["DISTCONFORM_LEAKED"] = "yes"
+
+
+def rng_state_digest() -> tuple[float, str | None]:
+    return torch.rand(1).item(), os.environ.get("DISTCONFORM_LEAKED")
+
+
+def leave_an_unmatched_collective() -> None:
+    if dist.get_rank() == 0:
+        dist.all_reduce(torch.ones(1), async_op=True)

@@ -1,0 +1,106 @@
+"""What a test may leave behind on a warm rank, and what it may not.
+
+Creating process groups is normal (HSDP and TP tests build meshes): the harness
+destroys every group a test created. A group that cannot be destroyed, a thread the
+test started and left running, an environment variable the test changed, or a
+default group that no longer works is a *hygiene violation*: the pool is recycled
+so the next test starts clean, and the test gets a warning naming the leak.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from harness import _torch_private
+
+# Threads that finish on their own shortly after a test (autograd, timers) get this
+# long before they count as leaked.
+_THREAD_GRACE_S = 0.5
+# Variables torch or the harness legitimately change while a test runs.
+_VOLATILE_ENV = frozenset({"PYTEST_CURRENT_TEST"})
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    threads: frozenset[int]
+    env: dict[str, str]
+    groups: frozenset[int]
+
+
+def take_snapshot() -> Snapshot:
+    groups = _torch_private.live_process_groups() if dist.is_initialized() else []
+    return Snapshot(
+        threads=frozenset(t.ident for t in threading.enumerate() if t.ident is not None),
+        env=dict(os.environ),
+        groups=frozenset(id(g) for g in groups),
+    )
+
+
+def clean_up_after_test(before: Snapshot) -> list[str]:
+    """Destroy the groups the test created; return every hygiene violation found."""
+    violations = _destroy_new_groups(before)
+    violations += _leaked_threads(before)
+    violations += _changed_env(before)
+    return violations
+
+
+def _destroy_new_groups(before: Snapshot) -> list[str]:
+    if not dist.is_initialized():
+        return ["the default process group was destroyed by the test"]
+    violations = []
+    for group in _torch_private.iter_non_default_groups():
+        if id(group) in before.groups:
+            continue
+        try:
+            dist.destroy_process_group(group)
+        except Exception as exc:
+            violations.append(f"could not destroy a process group the test created: {exc}")
+    return violations
+
+
+def _leaked_threads(before: Snapshot) -> list[str]:
+    end = time.monotonic() + _THREAD_GRACE_S
+    while True:
+        new = [
+            t
+            for t in threading.enumerate()
+            if t.ident not in before.threads and t.is_alive() and not _is_harness_thread(t)
+        ]
+        if not new or time.monotonic() >= end:
+            break
+        time.sleep(0.02)
+    return [f"thread {t.name!r} started by the test is still running" for t in new]
+
+
+def _is_harness_thread(thread: threading.Thread) -> bool:
+    return thread.name.startswith("distconform-")
+
+
+def _changed_env(before: Snapshot) -> list[str]:
+    after = dict(os.environ)
+    keys = (set(before.env) | set(after)) - _VOLATILE_ENV
+    changes = []
+    for key in sorted(keys):
+        old, new = before.env.get(key), after.get(key)
+        if old != new:
+            changes.append(f"environment variable {key} changed from {old!r} to {new!r}")
+    return changes
+
+
+def check_default_group(timeout: float) -> list[str]:
+    """A barrier on the default group, with a deadline: it must still work for the next test."""
+    if not dist.is_initialized():
+        return ["the default process group is gone"]
+    try:
+        work = dist.barrier(async_op=True)
+        if not work.wait(timeout=timedelta(seconds=timeout)):
+            return [f"the default process group did not complete a barrier in {timeout:g} s"]
+    except Exception as exc:
+        return [f"the default process group is broken: {exc}"]
+    return []

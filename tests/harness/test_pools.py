@@ -1,0 +1,95 @@
+"""Warm pools: reuse across tests, recycling after failures and leaks, never skipping."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from harness import Outcome
+from harness.pools import PoolKey, PoolManager
+from harness.pytest_run import make_pool
+from harness.task import RankTask, pack_call
+from tests.harness import rank_bodies
+
+
+def task_for(fn, *args, seed: int = 0) -> RankTask:
+    payload, modules = pack_call(fn, args, {})
+    return RankTask(
+        test_id=fn.__name__,
+        payload=payload,
+        modules=modules,
+        sys_path=tuple(sys.path),
+        seed=seed,
+        pg_timeout=8.0,
+    )
+
+
+@pytest.fixture
+def pools():
+    manager = PoolManager(lambda key: make_pool(key, echo=None))
+    yield manager
+    manager.shutdown()
+
+
+KEY4 = PoolKey(
+    launcher="process", world_size=4, backend="gloo", device_type="cpu", threads_per_rank=1
+)
+
+
+def run(pools: PoolManager, fn, *args, seed: int = 0):
+    return pools.run(KEY4, task_for(fn, *args, seed=seed), deadline=20.0, peer_grace=0.5)
+
+
+def test_a_pool_serves_many_tests(pools):
+    for _ in range(5):
+        result = run(pools, rank_bodies.all_reduce_rank_sum)
+        assert result.values == [10.0] * 4
+    assert pools.spawn_count == 1 and pools.recycle_count == 0
+
+
+def test_a_failure_recycles_the_pool_and_the_next_test_passes(pools):
+    assert run(pools, rank_bodies.all_reduce_rank_sum).ok
+    failed = run(pools, rank_bodies.raise_on, 2)
+    assert not failed.ok and pools.recycle_count == 1
+    after = run(pools, rank_bodies.all_reduce_rank_sum)
+    assert after.ok and after.values == [10.0] * 4
+    assert pools.spawn_count == 2
+
+
+def test_creating_a_2d_mesh_is_not_a_leak(pools):
+    result = run(pools, rank_bodies.build_2d_mesh_and_reduce)
+    assert result.ok and result.values == [2.0] * 4
+    assert result.hygiene_violations == {}
+    assert run(pools, rank_bodies.all_reduce_rank_sum).ok
+    assert pools.spawn_count == 1 and pools.recycle_count == 0
+
+
+@pytest.mark.parametrize(
+    ("leak", "expected"),
+    [
+        (rank_bodies.leak_a_thread, "thread 'leaky' started by the test is still running"),
+        (rank_bodies.leak_an_env_var, "environment variable DISTCONFORM_LEAKED changed"),
+        (rank_bodies.leave_an_unmatched_collective, "default process group"),
+    ],
+    ids=["thread", "env", "unmatched-collective"],
+)
+def test_a_leak_recycles_the_pool_and_the_next_test_is_clean(pools, leak, expected):
+    leaked = run(pools, leak)
+    assert all(r.outcome is Outcome.PASSED for r in leaked.results)
+    violations = [v for vs in leaked.hygiene_violations.values() for v in vs]
+    assert any(expected in v for v in violations), violations
+    assert pools.recycle_count == 1
+    clean = run(pools, rank_bodies.rng_state_digest)
+    assert clean.ok and clean.hygiene_violations == {}
+    assert {env for _, env in clean.values} == {None}
+
+
+def test_every_test_starts_with_the_same_rng_state_on_every_rank(pools):
+    first = run(pools, rank_bodies.rng_state_digest, seed=11)
+    second = run(pools, rank_bodies.rng_state_digest, seed=11)
+    other = run(pools, rank_bodies.rng_state_digest, seed=12)
+    draws = {value for value, _ in first.values}
+    assert len(draws) == 1
+    assert draws == {value for value, _ in second.values}
+    assert draws != {value for value, _ in other.values}
