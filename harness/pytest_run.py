@@ -51,6 +51,10 @@ def make_pool(key: PoolKey, *, echo) -> RankPool:
                 echo=echo,
             )
         )
+    if key.launcher == "thread":
+        from harness.threads.pool import ThreadPool
+
+        return ThreadPool(key.world_size)
     raise pytest.UsageError(f"distconform: the {key.launcher!r} launcher is not available yet")
 
 

@@ -87,7 +87,9 @@ class ThreadPool:
         self.broken = False
         self._runner: ThreadRunner | None = None
 
-    def start(self) -> None:
+    def start(self, timeout: float | None = None) -> None:
+        """Start the rank threads; ``timeout`` is accepted for the RankPool interface
+        (starting threads does not block)."""
         if self._runner is None:
             self._runner = ThreadRunner(self.world_size)
 
