@@ -13,6 +13,9 @@ LAUNCHERS = ("process", "thread", "external")
 THREADED_BACKEND = "threaded"
 DEFAULT_DEADLINE_S = 300.0
 DEFAULT_PEER_GRACE_S = 2.0
+# Environment variables that change while a session runs without meaning anything to
+# the ranks (pytest sets the current test's id).
+VOLATILE_ENV = frozenset({"PYTEST_CURRENT_TEST"})
 
 
 class ConfigError(ValueError):

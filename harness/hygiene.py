@@ -18,12 +18,11 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from harness import _torch_private
+from harness.config import VOLATILE_ENV
 
 # Threads that finish on their own shortly after a test (autograd, timers) get this
 # long before they count as leaked.
 _THREAD_GRACE_S = 0.5
-# Variables torch or the harness legitimately change while a test runs.
-_VOLATILE_ENV = frozenset({"PYTEST_CURRENT_TEST"})
 
 
 @dataclass(frozen=True)
@@ -84,7 +83,7 @@ def _is_harness_thread(thread: threading.Thread) -> bool:
 
 def _changed_env(before: Snapshot) -> list[str]:
     after = dict(os.environ)
-    keys = (set(before.env) | set(after)) - _VOLATILE_ENV
+    keys = (set(before.env) | set(after)) - VOLATILE_ENV
     changes = []
     for key in sorted(keys):
         old, new = before.env.get(key), after.get(key)

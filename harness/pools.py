@@ -9,11 +9,14 @@ because an earlier test broke a pool.
 
 from __future__ import annotations
 
+import hashlib
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Protocol
 
+from harness.config import VOLATILE_ENV
 from harness.deadline import pg_timeout_for
 from harness.outcomes import Outcome, RankResult, RunResult
 from harness.task import RankTask
@@ -43,6 +46,7 @@ class PoolKey:
     threads_per_rank: int
     rendezvous: str = "file"
     env: tuple[tuple[str, str], ...] = ()
+    env_fingerprint: str = ""
 
     def describe(self) -> str:
         return (
@@ -60,6 +64,12 @@ class PoolStartFailure(RuntimeError):
 
 
 PoolFactory = Callable[[PoolKey], RankPool]
+
+def env_fingerprint(environ: dict[str, str] | None = None) -> str:
+    """A digest of the environment ranks inherit: a changed variable means a new pool."""
+    environ = dict(os.environ if environ is None else environ)
+    items = sorted((k, v) for k, v in environ.items() if k not in VOLATILE_ENV)
+    return hashlib.sha256(repr(items).encode()).hexdigest()[:16]
 
 
 class PoolManager:

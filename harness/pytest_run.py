@@ -14,7 +14,7 @@ from harness import summary
 from harness.config import DistSettings, device_count
 from harness.deadline import deadline_for, outer_limit_for, pg_timeout_for
 from harness.outcomes import Outcome, RunResult
-from harness.pools import PoolKey, PoolManager, RankPool
+from harness.pools import PoolKey, PoolManager, RankPool, env_fingerprint
 from harness.process.spawning import close_shared_zygote
 from harness.report import DistributedFailure
 from harness.task import RankTask, TaskPackingError, pack_call
@@ -105,6 +105,7 @@ def pool_key(settings: DistSettings, world_size: int) -> PoolKey:
         device_type=settings.device_type,
         threads_per_rank=settings.threads_for(world_size),
         rendezvous=settings.rendezvous,
+        env_fingerprint=env_fingerprint(),
     )
 
 

@@ -93,3 +93,14 @@ def test_every_test_starts_with_the_same_rng_state_on_every_rank(pools):
     assert len(draws) == 1
     assert draws == {value for value, _ in second.values}
     assert draws != {value for value, _ in other.values}
+
+
+def test_a_changed_environment_gets_a_new_pool(monkeypatch):
+    from harness.pools import env_fingerprint
+
+    before = env_fingerprint()
+    monkeypatch.setenv("DISTCONFORM_POOL_KEY_PROBE", "1")
+    assert env_fingerprint() != before
+    monkeypatch.setenv("PYTEST_CURRENT_TEST", "something else")
+    monkeypatch.delenv("DISTCONFORM_POOL_KEY_PROBE")
+    assert env_fingerprint() == before
