@@ -53,6 +53,12 @@ def _rank_body(task: RankTask, world_size: int) -> RankResult:
 
 
 def _to_rank_result(run: RankRun) -> RankResult:
+    result = _rank_result(run)
+    result.output = run.output
+    return result
+
+
+def _rank_result(run: RankRun) -> RankResult:
     if isinstance(run.value, RankResult):
         return run.value
     if isinstance(run.error, _TaskDidNotPass):
@@ -91,7 +97,7 @@ class ThreadPool:
         """Start the rank threads; ``timeout`` is accepted for the RankPool interface
         (starting threads does not block)."""
         if self._runner is None:
-            self._runner = ThreadRunner(self.world_size)
+            self._runner = ThreadRunner(self.world_size, capture_output=True)
 
     def run(self, task: RankTask, deadline: float, peer_grace: float) -> RunResult:
         """Run ``task`` on every rank thread; ``peer_grace`` is moot: peers are released

@@ -44,6 +44,7 @@ import torch.distributed as dist
 
 from harness import _torch_private
 from harness.threads.backend import BACKEND_NAME, ThreadedProcessGroup, register_threaded_backend
+from harness.threads.output import RankOutputCapture
 from harness.threads.store import RunStore
 from harness.threads.world import (
     CollectiveDeadlockError,
@@ -85,6 +86,7 @@ class RankRun:
     error: BaseException | None = None
     traceback: str | None = None  # formatted exception (or where a hung rank waited)
     stack: str | None = None  # Python stack of a rank still running at the deadline
+    output: str = ""  # what the rank printed (with ``capture_output=True``)
 
     @property
     def duration(self) -> float | None:
@@ -154,12 +156,20 @@ def _is_secondary(error: BaseException) -> bool:
 class ThreadRunner:
     """Runs functions on ``world_size`` rank threads; see the module docstring."""
 
-    def __init__(self, world_size: int, *, seed: int = 0, deadline: float = 120.0) -> None:
+    def __init__(
+        self,
+        world_size: int,
+        *,
+        seed: int = 0,
+        deadline: float = 120.0,
+        capture_output: bool = False,
+    ) -> None:
         if world_size < 1:
             raise ValueError(f"world_size must be positive, got {world_size}")
         self.world_size = world_size
         self.seed = seed
         self.deadline = deadline
+        self.capture_output = capture_output
         self.unusable_reason: str | None = None
         self._zombies: list[threading.Thread] = []
         register_threaded_backend()
@@ -210,7 +220,10 @@ class ThreadRunner:
             )
             for rank in range(self.world_size)
         ]
+        capture = RankOutputCapture(self.world_size) if self.capture_output else None
         try:
+            if capture is not None:
+                capture.__enter__()
             for thread in threads:
                 thread.start()
             try:
@@ -225,9 +238,14 @@ class ThreadRunner:
                 if not thread.is_alive():
                     thread.join()
         finally:
+            if capture is not None:
+                capture.__exit__(None, None, None)
             world.rng.give_back_to_caller()
             sys.excepthook = excepthook
         result.ranks = [r for r in runs if r is not None]
+        if capture is not None:
+            for run in result.ranks:
+                run.output = capture.output(run.rank)
         result.duration = time.monotonic() - start
         leftovers = world.pending_meetings()
         if leftovers and result.ok:

@@ -30,6 +30,7 @@ def _task(fn, *args, seed: int = 0) -> RankTask:
 
 def rank_sum_and_context() -> tuple[float, int, str]:
     ctx = get_rank_context()
+    print(f"rank {ctx.rank} says hi")
     value = torch.tensor([float(dist.get_rank() + 1)])
     dist.all_reduce(value)
     return value.item(), ctx.rank, ctx.launcher
@@ -59,6 +60,7 @@ def test_passing_task_returns_every_rank_value():
         run = pool.run(_task(rank_sum_and_context), deadline=30.0, peer_grace=1.0)
         assert run.ok, run
         assert run.values == [(6.0, r, "thread") for r in range(3)]
+        assert [r.output for r in run.results] == [f"rank {r} says hi\n" for r in range(3)]
         assert not pool.broken
         again = pool.run(_task(rank_sum_and_context), deadline=30.0, peer_grace=1.0)
         assert again.ok

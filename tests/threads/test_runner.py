@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import sys
 
 import numpy as np
 import pytest
@@ -232,3 +233,21 @@ def test_listener_sees_every_collective_with_sizes():
     count = len(records)
     run_threaded(_listened, 3).raise_on_failure()  # handle removed on exit: no new records
     assert len(records) == count
+
+
+def _print_per_rank() -> None:
+    r = dist.get_rank()
+    print(f"hello from rank {r}")
+    dist.barrier()
+    print(f"rank {r} to stderr", file=sys.stderr)
+
+
+def test_output_is_captured_per_rank(capsys):
+    stdout, stderr = sys.stdout, sys.stderr
+    with ThreadRunner(3, capture_output=True) as runner:
+        result = runner.run(_print_per_rank)
+    result.raise_on_failure()
+    for rank, run in enumerate(result.ranks):
+        assert run.output == f"hello from rank {rank}\nrank {rank} to stderr\n"
+    assert sys.stdout is stdout and sys.stderr is stderr
+    assert capsys.readouterr() == ("", "")  # nothing leaked to the shared streams
