@@ -122,7 +122,10 @@ def pytest_configure(config: pytest.Config) -> None:
     except ConfigError as exc:
         raise pytest.UsageError(f"distconform: {exc}") from None
     config.stash[SETTINGS_KEY] = settings
-    pytest_run.configure(config, settings)
+    try:
+        pytest_run.configure(config, settings)
+    except ConfigError as exc:
+        raise pytest.UsageError(f"distconform: {exc}") from None
     summary.configure(config)
 
 
@@ -158,10 +161,14 @@ def pytest_report_header(config: pytest.Config) -> str | None:
     settings = config.stash.get(SETTINGS_KEY, None)
     if settings is None:
         return None
-    return (
+    header = (
         f"distconform: launcher {settings.launcher}, backend {settings.backend}, "
         f"device {settings.device_type}, seed {settings.seed}, deadline {settings.deadline:g} s"
     )
+    world = pytest_run.external_world(config)
+    if world is not None:
+        header += f", rank {world.rank} of a torchrun world of {world.world_size}"
+    return header
 
 
 def world_sizes_of(marker: pytest.Mark) -> list[int]:
@@ -189,6 +196,10 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     wanted = config.stash[SETTINGS_KEY].world_sizes
+    world = pytest_run.external_world(config)
+    if world is not None:
+        # Under torchrun the world size is fixed: only that parametrization can run.
+        wanted = (world.world_size,)
     if wanted is None:
         return
     selected, deselected = [], []
@@ -198,6 +209,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if deselected:
         config.hook.pytest_deselected(items=deselected)
         items[:] = selected
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    world = pytest_run.external_world(session.config)
+    if world is not None:
+        try:
+            world.check_same_collection([item.nodeid for item in session.items])
+        except ConfigError as exc:
+            raise pytest.UsageError(f"distconform: {exc}") from None
 
 
 def world_size_of(item: pytest.Item) -> int | None:

@@ -7,6 +7,7 @@ import sys
 import threading
 import time
 from functools import partial
+from typing import TYPE_CHECKING
 
 import pytest
 
@@ -19,7 +20,11 @@ from harness.process.spawning import close_shared_zygote
 from harness.report import DistributedFailure
 from harness.task import RankTask, TaskPackingError, pack_call
 
+if TYPE_CHECKING:
+    from harness.external import ExternalWorld
+
 POOLS_KEY = pytest.StashKey[PoolManager]()
+EXTERNAL_KEY = pytest.StashKey["ExternalWorld"]()
 RUN_KEY = pytest.StashKey[RunResult]()
 STARTED_KEY = pytest.StashKey[float]()
 
@@ -61,6 +66,16 @@ def make_pool(key: PoolKey, *, echo) -> RankPool:
 def configure(config: pytest.Config, settings: DistSettings) -> None:
     streaming = config.getoption("capture") == "no"
     config.stash[POOLS_KEY] = PoolManager(partial(make_pool, echo=_echo if streaming else None))
+    if settings.launcher == "external":
+        from harness.external import ExternalWorld
+
+        world = ExternalWorld(settings.backend, settings.device_type)
+        world.join()
+        config.stash[EXTERNAL_KEY] = world
+
+
+def external_world(config: pytest.Config) -> ExternalWorld | None:
+    return config.stash.get(EXTERNAL_KEY, None)
 
 
 def unconfigure(config: pytest.Config) -> None:
@@ -68,6 +83,9 @@ def unconfigure(config: pytest.Config) -> None:
     if pools is not None:
         pools.shutdown()
     close_shared_zygote()
+    world = external_world(config)
+    if world is not None:
+        world.close()
 
 
 def _settings(item: pytest.Item) -> DistSettings:
@@ -86,6 +104,8 @@ def check_resources(item: pytest.Item) -> None:
 
     settings = _settings(item)
     device_type = settings.device_type
+    if settings.launcher == "external":
+        return  # torchrun, not the harness, decided how many ranks and devices there are
     if item.get_closest_marker("requires_accelerator") and device_type == "cpu":
         pytest.skip("needs an accelerator; this run's device is cpu (choose one with --device)")
     needed = world_size_of(item) if device_type != "cpu" else 0
@@ -128,15 +148,21 @@ def run_item(item: pytest.Function) -> None:
         seed=settings.seed,
         pg_timeout=pg_timeout_for(deadline),
     )
-    fresh = settings.fresh_pool or item.get_closest_marker("fresh_pool") is not None
-    run = item.config.stash[POOLS_KEY].run(
-        pool_key(settings, world_size),
-        task,
-        deadline=deadline,
-        peer_grace=settings.peer_grace,
-        fresh=fresh,
-        must_end_by=outer_limit_for(item, item.stash.get(STARTED_KEY, time.monotonic())),
-    )
+    world = external_world(item.config)
+    if world is not None:
+        run = world.run(task, deadline)
+        if world.broken_reason is not None:
+            item.session.shouldstop = world.broken_reason
+    else:
+        fresh = settings.fresh_pool or item.get_closest_marker("fresh_pool") is not None
+        run = item.config.stash[POOLS_KEY].run(
+            pool_key(settings, world_size),
+            task,
+            deadline=deadline,
+            peer_grace=settings.peer_grace,
+            fresh=fresh,
+            must_end_by=outer_limit_for(item, item.stash.get(STARTED_KEY, time.monotonic())),
+        )
     item.stash[RUN_KEY] = run
     for result in run.results:
         if result.output:
@@ -178,8 +204,14 @@ def _joined_reasons(run: RunResult, outcome: Outcome) -> str:
 
 
 def reproducer(item: pytest.Item, settings: DistSettings) -> str:
+    if settings.launcher == "external":
+        from harness.plugin import world_size_of
+
+        runner = ["torchrun", "--nproc-per-node", str(world_size_of(item))]
+    else:
+        runner = [sys.executable.rsplit("/", 1)[-1]]
     args = [
-        sys.executable.rsplit("/", 1)[-1],
+        *runner,
         "-m",
         "pytest",
         item.nodeid,

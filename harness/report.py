@@ -8,14 +8,18 @@ Each rank's captured output goes into its own pytest report section.
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Iterable
 
 from harness.outcomes import Outcome, RankResult, RunResult, demote_secondary_failures
 
-# The harness's own thread in every rank, and the frames below the test body.
-_HARNESS_THREAD_MARKER = " in exit_on_eof"
+# Frames that belong to the harness or to the thread machinery, not to the test.
 _HARNESS_DIR = os.path.dirname(os.path.abspath(__file__))
-_BOOTSTRAP_FRAME_MARKERS = (f'File "{_HARNESS_DIR}/', 'File "<frozen runpy>"')
+_BOOTSTRAP_FRAME_MARKERS = (
+    f'File "{_HARNESS_DIR}/',
+    'File "<frozen runpy>"',
+    f'File "{os.path.dirname(threading.__file__)}/threading.py"',
+)
 
 
 class DistributedFailure(AssertionError):
@@ -125,13 +129,17 @@ def _other_primary_failures(run: RunResult, primary: RankResult | None) -> list[
 
 
 def clean_stacks(stacks: str) -> str:
-    """faulthandler output without the harness's own thread and the frames below the test."""
-    blocks = [b for b in stacks.strip().split("\n\n") if _HARNESS_THREAD_MARKER not in b]
+    """faulthandler output without the harness's own threads and frames.
+
+    A thread with no frame outside the harness (the parent watcher, a watchdog) is
+    dropped; in the others, the frames below the test body are.
+    """
     cleaned = []
-    for block in blocks:
-        lines = block.splitlines()
-        kept = [line for line in lines if not line.strip().startswith(_BOOTSTRAP_FRAME_MARKERS)]
-        cleaned.append("\n".join(kept if len(kept) > 1 else lines))
+    for block in stacks.strip().split("\n\n"):
+        header, *frames = block.splitlines()
+        kept = [f for f in frames if not f.strip().startswith(_BOOTSTRAP_FRAME_MARKERS)]
+        if kept:
+            cleaned.append("\n".join([header, *kept]))
     return "\n\n".join(cleaned) if cleaned else stacks.strip()
 
 
