@@ -182,6 +182,7 @@ def install_thread_local_c10d_world() -> None:
             distributed_c10d._world = world
             _installed_thread_world = world
             torch._C._distributed_c10d._set_thread_isolation_mode(True)
+            _mirror_groups_into_thread_registry(_replaced_c10d_world)
             _autograd_multithreading_before = torch.autograd.is_multithreading_enabled()
             torch.autograd.set_multithreading_enabled(False)
         _thread_world_installs += 1
@@ -205,8 +206,42 @@ def uninstall_thread_local_c10d_world() -> None:
                 )
             distributed_c10d._world = _replaced_c10d_world
             _installed_thread_world = _replaced_c10d_world = None
+            _drop_mirrored_groups()
             torch._C._distributed_c10d._set_thread_isolation_mode(False)
             torch.autograd.set_multithreading_enabled(_autograd_multithreading_before)
+
+
+# Groups the installing thread already had, re-registered in its per-thread registry.
+_mirrored: tuple[int, list[str]] | None = None
+
+
+def _mirror_groups_into_thread_registry(world: Any) -> None:
+    """Keep the installing thread's existing groups resolvable by name.
+
+    In isolation mode each thread sees only its own registry, so a thread that created
+    groups before the install (a main-thread gloo group used by DTensor) could no longer
+    resolve them through functional collectives while the thread world is installed.
+    """
+    global _mirrored
+    from torch.distributed import distributed_c10d
+
+    names = []
+    for group, name in list(world.pg_names.items()):
+        distributed_c10d._register_process_group(name, group)
+        names.append(name)
+    _mirrored = (threading.get_ident(), names)
+
+
+def _drop_mirrored_groups() -> None:
+    # Still in isolation mode: only the installing thread's registry can be cleaned, and
+    # only from that thread; elsewhere the entries are left (unused once isolation is off).
+    global _mirrored
+    from torch.distributed import distributed_c10d
+
+    if _mirrored is not None and _mirrored[0] == threading.get_ident():
+        for name in _mirrored[1]:
+            distributed_c10d._unregister_process_group(name)
+    _mirrored = None
 
 
 def thread_local_c10d_world_installed() -> bool:

@@ -85,3 +85,20 @@ def test_store_based_init_barrier_does_not_deadlock(monkeypatch):
     monkeypatch.setenv("TORCH_DIST_INIT_BARRIER", "1")
     result = run_threaded(lambda: dist.new_group([0, 1]) and dist.barrier(), 3, deadline=30.0)
     result.raise_on_failure()
+
+
+def test_main_thread_groups_keep_working_while_a_runner_is_open():
+    # Isolation mode makes group names per-thread; the main thread's existing groups must
+    # stay resolvable for functional collectives (DTensor) while the runner is open.
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        full = torch.arange(6.0)
+        with ThreadRunner(2) as runner:
+            runner.run(dist.barrier).raise_on_failure()
+            assert dist.get_backend() == "gloo"  # the ranks' worlds did not replace ours
+            assert torch.equal(distribute_tensor(full, mesh, [Shard(0)]).full_tensor(), full)
+        assert torch.equal(distribute_tensor(full, mesh, [Shard(0)]).full_tensor(), full)
+    finally:
+        dist.destroy_process_group()
+    _assert_world_restored()
