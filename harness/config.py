@@ -130,6 +130,7 @@ class DistSettings:
     fresh_pool: bool = False
     peer_grace: float = DEFAULT_PEER_GRACE_S
     rendezvous: str = "file"
+    memory_limit: int | None = None
 
     def threads_for(self, world_size: int) -> int:
         return self.threads_per_rank or default_threads_per_rank(world_size)

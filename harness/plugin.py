@@ -21,6 +21,7 @@ from harness.config import (
     resolve_backend,
 )
 from harness.deadline import configured_deadline
+from harness.memory import parse_size
 from harness.rank_context import RankContextPlaceholder
 
 WORLD_SIZE_PARAM = "dist_world_size"
@@ -36,6 +37,8 @@ _MARKERS = (
     "requires_devices(n): skip unless the configured device type has at least n devices "
     "(CPU counts as unlimited)",
     "requires_accelerator: skip unless the run's device is an accelerator",
+    "memory_limit(size): each rank of this test may allocate at most this much more memory "
+    "(e.g. '512MiB'); process ranks only",
 )
 
 
@@ -98,6 +101,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="FileStore in a private temp dir, or a TCPStore on 127.0.0.1 (default: file)",
     )
     group.addoption(
+        "--dist-memory-limit",
+        default=None,
+        metavar="SIZE",
+        help="default per-rank memory limit for distributed tests, e.g. 2GiB (process ranks)",
+    )
+    group.addoption(
         "--dist-summary",
         action="store_true",
         default=False,
@@ -150,7 +159,17 @@ def _settings_from(config: pytest.Config) -> DistSettings:
         fresh_pool=config.getoption("dist_fresh_pool"),
         peer_grace=grace,
         rendezvous=config.getoption("dist_rendezvous"),
+        memory_limit=_memory_limit(config.getoption("dist_memory_limit"), "--dist-memory-limit"),
     )
+
+
+def _memory_limit(value: object, source: str) -> int | None:
+    if value is None:
+        return None
+    try:
+        return parse_size(value)
+    except ValueError as exc:
+        raise ConfigError(f"{source}: {exc}") from None
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:

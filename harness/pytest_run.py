@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import pytest
 
 from harness import summary
-from harness.config import DistSettings, device_count
+from harness.config import ConfigError, DistSettings, device_count
 from harness.deadline import deadline_for, outer_limit_for, pg_timeout_for
 from harness.outcomes import Outcome, RunResult
 from harness.pools import PoolKey, PoolManager, RankPool, env_fingerprint
@@ -106,6 +106,8 @@ def check_resources(item: pytest.Item) -> None:
     device_type = settings.device_type
     if settings.launcher == "external":
         return  # torchrun, not the harness, decided how many ranks and devices there are
+    if memory_limit_for(item) is not None and settings.launcher != "process":
+        pytest.skip("a per-rank memory limit needs rank processes (--launcher process)")
     if item.get_closest_marker("requires_accelerator") and device_type == "cpu":
         pytest.skip("needs an accelerator; this run's device is cpu (choose one with --device)")
     needed = world_size_of(item) if device_type != "cpu" else 0
@@ -115,6 +117,18 @@ def check_resources(item: pytest.Item) -> None:
     available = device_count(device_type)
     if available is not None and available < needed:
         pytest.skip(f"needs {needed} {device_type} device(s), this machine has {available}")
+
+
+def memory_limit_for(item: pytest.Item) -> int | None:
+    marker = item.get_closest_marker("memory_limit")
+    if marker is None:
+        return _settings(item).memory_limit
+    from harness.plugin import _memory_limit
+
+    try:
+        return _memory_limit(marker.args[0], "@pytest.mark.memory_limit")
+    except ConfigError as exc:
+        raise pytest.UsageError(f"{item.nodeid}: {exc}") from None
 
 
 def pool_key(settings: DistSettings, world_size: int) -> PoolKey:
@@ -147,6 +161,7 @@ def run_item(item: pytest.Function) -> None:
         sys_path=tuple(p for p in sys.path if p),
         seed=settings.seed,
         pg_timeout=pg_timeout_for(deadline),
+        memory_limit=memory_limit_for(item),
     )
     world = external_world(item.config)
     if world is not None:

@@ -16,7 +16,7 @@ import os
 import pickle
 import pickletools
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 MAIN_ALIAS = "__distconform_main__"
@@ -42,7 +42,7 @@ class RankTask:
     seed: int
     pg_timeout: float
     task_id: int = 0
-    extras: dict[str, Any] = field(default_factory=dict)
+    memory_limit: int | None = None
 
 
 def pack_call(fn: Any, args: tuple, kwargs: dict[str, Any]) -> tuple[bytes, tuple[ModuleRef, ...]]:

@@ -150,7 +150,7 @@ def serve(spec: WorkerSpec) -> None:
 
     import torch
 
-    from harness import hygiene
+    from harness import hygiene, memory
     from harness.process.output import end_marker_line
     from harness.rank_exec import run_task
 
@@ -170,7 +170,15 @@ def serve(spec: WorkerSpec) -> None:
             continue
         ctx = dataclasses.replace(base_ctx, seed=task.seed)
         before = hygiene.take_snapshot()
-        result = run_task(task, ctx)
+        with memory.limited_memory(task.memory_limit):
+            result = run_task(task, ctx)
+        if task.memory_limit and memory.looks_like_out_of_memory(
+            result.error_type, result.error_message
+        ):
+            result.note = (
+                f"rank {result.rank} exceeded its memory limit of "
+                f"{memory.format_size(task.memory_limit)}"
+            )
         result.hygiene = hygiene.clean_up_after_test(before)
         sys.stdout.flush()
         sys.stderr.flush()

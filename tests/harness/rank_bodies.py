@@ -105,3 +105,10 @@ def rng_state_digest() -> tuple[float, str | None]:
 def leave_an_unmatched_collective() -> None:
     if dist.get_rank() == 0:
         dist.all_reduce(torch.ones(1), async_op=True)
+
+
+def allocate_on(bad_rank: int, megabytes: int) -> int:
+    """Allocate (and touch) ``megabytes`` on one rank; the others allocate a little."""
+    size = megabytes if dist.get_rank() == bad_rank else 1
+    block = torch.ones(size * 2**20 // 4)
+    return int(block.numel())

@@ -2,39 +2,12 @@
 
 from __future__ import annotations
 
-import sys
-
 import pytest
 
 from harness import Outcome
-from harness.pools import PoolKey, PoolManager
-from harness.pytest_run import make_pool
-from harness.task import RankTask, pack_call
+from harness.pools import PoolManager
 from tests.harness import rank_bodies
-
-
-def task_for(fn, *args, seed: int = 0) -> RankTask:
-    payload, modules = pack_call(fn, args, {})
-    return RankTask(
-        test_id=fn.__name__,
-        payload=payload,
-        modules=modules,
-        sys_path=tuple(sys.path),
-        seed=seed,
-        pg_timeout=8.0,
-    )
-
-
-@pytest.fixture
-def pools():
-    manager = PoolManager(lambda key: make_pool(key, echo=None))
-    yield manager
-    manager.shutdown()
-
-
-KEY4 = PoolKey(
-    launcher="process", world_size=4, backend="gloo", device_type="cpu", threads_per_rank=1
-)
+from tests.harness.conftest import KEY4, task_for
 
 
 def run(pools: PoolManager, fn, *args, seed: int = 0):
