@@ -104,4 +104,4 @@ class ShardLayout:
 
 
 def _replace(shape: tuple[int, ...], dim: int, size: int) -> tuple[int, ...]:
-    return (*shape[:dim], size, *shape[dim + 1:])
+    return (*shape[:dim], size, *shape[dim + 1 :])
