@@ -185,10 +185,15 @@ def run_item(item: pytest.Function) -> None:
     for violation, ranks in _group_by_violation(run).items():
         listed = ", ".join(str(rank) for rank in ranks)
         item.warn(HygieneWarning(f"{violation} (ranks {listed}); the pool was recycled"))
+    # The item (and its properties) is reused when pytest-rerunfailures retries it.
+    item.user_properties[:] = [p for p in item.user_properties if p[0] not in _RUN_PROPERTIES]
     item.user_properties.append(
         ("rank_outcomes", " ".join(f"{r.rank}:{r.outcome.value}" for r in run.results))
     )
     _conclude(item, settings, run)
+
+
+_RUN_PROPERTIES = frozenset({"rank_outcomes"})
 
 
 def _group_by_violation(run: RunResult) -> dict[str, list[int]]:
@@ -254,3 +259,5 @@ def decorate_report(item: pytest.Item, call: pytest.CallInfo, report: pytest.Tes
     failure = call.excinfo.value if call.excinfo is not None else None
     if isinstance(failure, DistributedFailure) and report.failed:
         report.longrepr = failure.text
+        report.distconform_failure_text = failure.text
+

@@ -9,6 +9,7 @@ import pytest
 from harness.outcomes import RunResult
 
 _ROWS_KEY = pytest.StashKey[list["SummaryRow"]]()
+_RERUNS_KEY = pytest.StashKey[list[tuple[str, str]]]()
 
 
 @dataclass(frozen=True)
@@ -21,8 +22,13 @@ class SummaryRow:
 
 def configure(config: pytest.Config) -> None:
     config.stash[_ROWS_KEY] = []
+    config.stash[_RERUNS_KEY] = []
+    config.pluginmanager.register(_RerunReporter(config), "distconform-reruns")
     if config.getoption("dist_summary"):
         config.pluginmanager.register(_SummaryReporter(config), "distconform-summary")
+
+
+
 
 
 def record(config: pytest.Config, nodeid: str, verdict: str, run: RunResult) -> None:
@@ -60,3 +66,45 @@ class _SummaryReporter:
         terminalreporter.write_sep("=", "distributed tests: outcome of every rank")
         for line in format_table(rows):
             terminalreporter.write_line(line)
+
+
+class _RerunReporter:
+    """A failed attempt that pytest-rerunfailures retries keeps its per-rank report.
+
+    The harness never retries by itself; when that plugin does, the failed attempt's
+    report goes into the JUnit properties of the rerun entry and into a terminal
+    section, so a pass on the next attempt cannot hide what happened before.
+    """
+
+    def __init__(self, config: pytest.Config) -> None:
+        self.config = config
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_logreport(self, report: pytest.TestReport):
+        result = yield
+        text = getattr(report, "distconform_failure_text", None)
+        if report.outcome == "rerun" and text is not None:
+            self.config.stash[_RERUNS_KEY].append((report.nodeid, text))
+            self._mark_junit_rerun(report, text)
+        return result
+
+    def _mark_junit_rerun(self, report: pytest.TestReport, text: str) -> None:
+        # A rerun attempt never gets a teardown report, which is where JUnit takes a
+        # test case's properties from: add them to its test case directly.
+        from _pytest.junitxml import xml_key
+
+        xml = self.config.stash.get(xml_key, None)
+        if xml is None:
+            return
+        reporter = xml.node_reporter(report)
+        reporter.add_property("rerun", "this attempt failed and was rerun")
+        reporter.add_property("rerun_rank_report", text)
+
+    def pytest_terminal_summary(self, terminalreporter) -> None:
+        reruns = self.config.stash[_RERUNS_KEY]
+        if not reruns:
+            return
+        terminalreporter.write_sep("=", "distributed tests rerun: the failed attempts")
+        for nodeid, text in reruns:
+            terminalreporter.write_sep("_", f"{nodeid} (rerun)")
+            terminalreporter.write_line(text)

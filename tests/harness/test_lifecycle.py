@@ -172,3 +172,28 @@ def test_harness_deadline_fires_before_pytest_timeout(pytester):
     assert re.search(r"rank 0 hung: still running at the [0-9.]+ s deadline", text)
     assert "Timeout" not in text  # pytest-timeout never had to step in
     assert elapsed < 60
+
+
+def test_ctrl_c_tears_everything_down_and_prints_the_interrupted_summary(tmp_path):
+    (tmp_path / "test_sleeps.py").write_text(SLEEPING_MODULE)
+    tag = uuid.uuid4().hex
+    inner = _inner_pytest(tmp_path, "-s", "test_sleeps.py", tag=tag)
+    try:
+        seen = 0
+        deadline = time.monotonic() + 120
+        while seen < 2 and time.monotonic() < deadline:
+            line = inner.stdout.readline()
+            if not line:
+                break
+            seen += "is up" in line
+        assert seen == 2, "the ranks never started"
+        descendants = [p for p in _processes_tagged(tag) if p.pid != inner.pid]
+        inner.send_signal(signal.SIGINT)
+        out, _ = inner.communicate(timeout=60)
+    finally:
+        inner.kill()
+    assert inner.returncode == pytest.ExitCode.INTERRUPTED, out
+    assert "KeyboardInterrupt" in out
+    assert re.search(r"=+ .*no tests ran.* in [0-9.]+s", out) or "Interrupted" in out, out
+    _gone, alive = psutil.wait_procs(descendants, timeout=10)
+    assert not alive, f"processes outlived Ctrl-C: {alive}"

@@ -175,3 +175,33 @@ def test_unpicklable_fixture_value_is_named(pytester):
     result = run_inner(pytester)
     result.assert_outcomes(failed=1)
     result.stdout.fnmatch_lines(["*cannot ship to the ranks: lock (lock) could not be pickled*"])
+
+
+def test_a_rerun_keeps_the_failed_attempts_rank_report(pytester):
+    marker = pytester.path / "attempted"
+    pytester.makepyfile(
+        test_flaky=f"""
+        import os
+        import pytest
+
+        @pytest.mark.world_size(2)
+        def test_flaky(rank_ctx):
+            if not os.path.exists({str(marker)!r}):
+                if rank_ctx.rank == 1:
+                    open({str(marker)!r}, "w").close()
+                    raise ValueError("the first attempt fails on rank 1")
+        """
+    )
+    result = run_inner(pytester, "--reruns", "1", "--junitxml", "report.xml")
+    result.assert_outcomes(passed=1, rerun=1)
+    result.stdout.fnmatch_lines(
+        [
+            "*distributed tests rerun: the failed attempts*",
+            "*test_flaky.py::test_flaky[[]ws2[]] (rerun)*",
+            "rank 1 failed: ValueError: the first attempt fails on rank 1*",
+        ]
+    )
+    junit = (pytester.path / "report.xml").read_text()
+    assert 'name="rerun"' in junit
+    assert "rank 1 failed: ValueError: the first attempt fails on rank 1" in junit
+    assert 'value="0:passed 1:passed"' in junit  # the attempt that passed
