@@ -33,6 +33,11 @@ class _TaskDidNotPass(Exception):
     def __init__(self, result: RankResult) -> None:
         super().__init__(f"rank {result.rank}: {result.outcome.value}")
         self.result = result
+        if result.error_type:
+            first = (result.error_message or "").strip().splitlines()
+            self.abort_summary = f"{result.error_type}: {first[0] if first else ''}"
+        else:
+            self.abort_summary = f"{result.outcome.value} ({result.reason or 'no reason'})"
 
 
 def _rank_body(task: RankTask, world_size: int) -> RankResult:

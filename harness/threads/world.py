@@ -328,9 +328,10 @@ class ThreadWorld:
             return CollectiveDeadlockError(str(error))
         if isinstance(error, RunAbandonedError):
             return RankAbortedError(f"{what} aborted: {error}", None)
+        # A wrapper that carries a failure already recorded elsewhere names it itself.
+        summary = getattr(error, "abort_summary", None) or f"{type(error).__name__}: {error}"
         return RankAbortedError(
-            f"{what} aborted because rank {self.failed_rank} failed: "
-            f"{type(error).__name__}: {error}",
+            f"{what} aborted because rank {self.failed_rank} failed: {summary}",
             self.failed_rank,
         )
 

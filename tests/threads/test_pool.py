@@ -82,6 +82,9 @@ def test_failure_is_primary_and_peers_are_released():
     for peer in (0, 2):
         assert run.results[peer].outcome is Outcome.FAILED
         assert run.results[peer].comm_error  # demoted to aborted-by-peer by the report
+        assert "because rank 1 failed: ValueError: deliberate failure on rank 1" in (
+            run.results[peer].error_message
+        )
     assert pool.broken
 
 
