@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from harness.threads import observe
-from harness.threads.world import Meeting, ThreadWorld, current_rank
+from harness.threads.world import Meeting, ThreadWorld, copy_error, current_rank
 
 BACKEND_NAME = "threaded"
 
@@ -101,7 +101,7 @@ class ThreadedWork(dist.Work):
         meeting = self._meeting
         self._world.wait_until(self._rank, meeting.settled, meeting.what, seconds or None)
         if meeting.error is not None:
-            raise type(meeting.error)(f"{meeting.what} failed: {meeting.error}")
+            raise copy_error(meeting.error, f"{meeting.what} failed: {meeting.error}")
         return True
 
     def is_completed(self) -> bool:

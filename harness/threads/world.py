@@ -73,6 +73,19 @@ class BatonError(RuntimeError):
     """A collective was issued from a thread that is not the running rank thread."""
 
 
+def copy_error(error: BaseException, message: str) -> BaseException:
+    """A fresh exception like ``error`` for another rank to raise.
+
+    One exception object raised on several threads would have its traceback rewritten by
+    each; every rank gets its own, of the same type when the type allows it.
+    """
+    try:
+        copy = type(error)(message)
+    except Exception:
+        return RuntimeError(f"{type(error).__name__}: {message}")
+    return copy if isinstance(copy, BaseException) else RuntimeError(message)
+
+
 _context = threading.local()
 
 
@@ -398,7 +411,7 @@ class ThreadWorld:
                     f"{meeting.what} with {meeting.params} vs {what} with {params}"
                 )
             if meeting.error is not None:
-                raise type(meeting.error)(str(meeting.error))
+                raise copy_error(meeting.error, str(meeting.error))
             if slot in meeting.payloads:
                 raise RuntimeError(f"{what}: slot {slot} joined twice (internal error)")
             meeting.payloads[slot] = payload

@@ -175,6 +175,20 @@ def test_mismatched_collectives_fail_every_participant():
         assert "allreduce #0" in str(run.error) and "broadcast #0" in str(run.error)
 
 
+def _shape_mismatch() -> None:
+    dist.all_reduce(torch.ones(2 + dist.get_rank()))
+
+
+def test_failed_data_movement_fails_every_participant():
+    result = run_threaded(_shape_mismatch, 2, deadline=30.0)
+    for run in result.ranks:
+        assert run.outcome is RankOutcome.FAILED, result.report()
+        assert isinstance(run.error, RuntimeError)
+        assert "allreduce #0 on group '0' failed" in str(run.error)
+    # Each rank raised its own exception object (tracebacks are per rank).
+    assert result.ranks[0].error is not result.ranks[1].error
+
+
 # --- deadlocks and hangs -------------------------------------------------------------------
 
 
