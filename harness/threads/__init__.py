@@ -1,4 +1,21 @@
-"""Thread launcher: N ranks as threads of one process, on this project's ``threaded`` backend."""
+"""Thread launcher: N ranks as threads of one process, on this project's ``threaded`` backend.
+
+Running code on rank threads::
+
+    run_threaded(fn, world_size, *args, seed=0, deadline=120.0, **kwargs) -> RunResult
+    with ThreadRunner(world_size, seed=0, deadline=120.0, capture_output=False) as runner:
+        result = runner.run(fn, *args, deadline=None, **kwargs)   # -> RunResult
+    result.ok / result.values / result.ranks (RankRun per rank) / result.report()
+    result.raise_on_failure()                                     # ThreadRunError
+    runner.usable                                                 # False after a hang
+
+``harness.threads.pool.ThreadPool`` puts the runner behind ``harness.pools.RankPool``.
+
+Observing collectives::
+
+    handle = add_collective_listener(fn)   # fn(CollectiveRecord) on the issuing rank
+    handle.remove()                        # or: with add_collective_listener(fn): ...
+"""
 
 from harness.threads.backend import BACKEND_NAME, ThreadedProcessGroup, register_threaded_backend
 from harness.threads.observe import CollectiveRecord, ListenerHandle, add_collective_listener
