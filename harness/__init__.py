@@ -6,23 +6,40 @@ Public API:
 - :func:`run_on_ranks` / :func:`launch` for code that is not a test;
 - :func:`get_rank_context` inside a function running on a rank;
 - :class:`RankLocal` for fixtures whose value must be built inside each rank.
+
+Names are imported on first use, so tools that only need a light module (the fork
+server's clients, device leasing) do not pay for importing torch.
 """
 
-from harness.api import launch, run_on_ranks
-from harness.config import ConfigError
-from harness.outcomes import Outcome, RankResult, RunResult
-from harness.rank_context import RankContext, RankLocal, get_rank_context
-from harness.report import DistributedFailure
+from __future__ import annotations
 
-__all__ = [
-    "ConfigError",
-    "DistributedFailure",
-    "Outcome",
-    "RankContext",
-    "RankLocal",
-    "RankResult",
-    "RunResult",
-    "get_rank_context",
-    "launch",
-    "run_on_ranks",
-]
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "ConfigError": "harness.config",
+    "DistributedFailure": "harness.report",
+    "Outcome": "harness.outcomes",
+    "RankContext": "harness.rank_context",
+    "RankLocal": "harness.rank_context",
+    "RankResult": "harness.outcomes",
+    "RunResult": "harness.outcomes",
+    "get_rank_context": "harness.rank_context",
+    "launch": "harness.api",
+    "run_on_ranks": "harness.api",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'harness' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

@@ -108,6 +108,11 @@ def device_count(device_type: str) -> int | None:
     """How many devices of this type the machine has; None means unlimited (CPU ranks)."""
     if device_type == "cpu":
         return None
+    from harness.leasing import fake_device_count
+
+    fake = fake_device_count()
+    if fake is not None:
+        return fake
     import torch
 
     accelerator = torch.accelerator.current_accelerator(check_available=True)

@@ -14,6 +14,7 @@ import pytest
 from harness import summary
 from harness.config import ConfigError, DistSettings, device_count
 from harness.deadline import deadline_for, outer_limit_for, pg_timeout_for
+from harness.leasing import LeasedPool
 from harness.outcomes import Outcome, RunResult
 from harness.pools import PoolKey, PoolManager, RankPool, env_fingerprint
 from harness.process.spawning import close_shared_zygote
@@ -45,17 +46,23 @@ def make_pool(key: PoolKey, *, echo) -> RankPool:
     if key.launcher == "process":
         from harness.process.pool import ProcessPool, ProcessPoolSpec
 
-        return ProcessPool(
-            ProcessPoolSpec(
+        def process_pool(extra_env: dict[str, str]) -> RankPool:
+            spec = ProcessPoolSpec(
                 world_size=key.world_size,
                 backend=key.backend,
                 device_type=key.device_type,
                 threads_per_rank=key.threads_per_rank,
                 rendezvous=key.rendezvous,
-                env=key.env,
+                env=(*key.env, *extra_env.items()),
                 echo=echo,
             )
-        )
+            return ProcessPool(spec)
+
+        total = device_count(key.device_type)
+        if total is None:
+            return process_pool({})
+        # Accelerator ranks: lease devices so parallel pytest workers never share one.
+        return LeasedPool(key.device_type, key.world_size, total, process_pool)
     if key.launcher == "thread":
         from harness.threads.pool import ThreadPool
 
