@@ -110,9 +110,23 @@ def two_linears(shapes: list[tuple[int, int]]) -> nn.Module:
     return nn.Sequential(nn.Linear(*shapes[0]), nn.ReLU(), nn.Linear(*shapes[1]))
 
 
-@pytest.mark.world_size(2, 4)
+@pytest.mark.world_size(2)
 @pytest.mark.parametrize("lin_shapes", LIN_SHAPES, ids=lin_id)
 def test_single_group_mlp(rank_ctx, impl, lin_shapes):
+    run_single_group_mlp(rank_ctx, impl, lin_shapes)
+
+
+@pytest.mark.world_size(4)
+@pytest.mark.parametrize(
+    "lin_shapes",
+    [LIN_SHAPES[1], *(pytest.param(s, marks=slow) for s in (LIN_SHAPES[0], LIN_SHAPES[2]))],
+    ids=lin_id,
+)
+def test_single_group_mlp_ws4(rank_ctx, impl, lin_shapes):
+    run_single_group_mlp(rank_ctx, impl, lin_shapes)
+
+
+def run_single_group_mlp(rank_ctx, impl, lin_shapes: list[tuple[int, int]]) -> None:
     train_with_parity(
         rank_ctx.rank,
         two_linears(lin_shapes),
@@ -238,8 +252,18 @@ def test_multi_group_transformer_ws4(rank_ctx, impl, raf):
     run_transformer(rank_ctx, impl, raf)
 
 
-@pytest.mark.world_size(2, 4)
+@pytest.mark.world_size(2)
 def test_default_reshard_policy_transformer(rank_ctx, impl):
+    run_default_reshard_policy_transformer(rank_ctx, impl)
+
+
+@slow
+@pytest.mark.world_size(4)
+def test_default_reshard_policy_transformer_ws4(rank_ctx, impl):
+    run_default_reshard_policy_transformer(rank_ctx, impl)
+
+
+def run_default_reshard_policy_transformer(rank_ctx, impl) -> None:
     # raf=None: the root keeps its parameters after forward, every block reshards.
     train_with_parity(
         rank_ctx.rank,
