@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from harness import hygiene
 from harness.config import ConfigError
-from harness.outcomes import Outcome, RankResult, RunResult
+from harness.outcomes import Outcome, RankResult, RunResult, demote_secondary_failures
 from harness.rank_context import RankContext
 from harness.rank_exec import run_task
 from harness.task import RankTask
@@ -177,7 +177,7 @@ class ExternalWorld:
                 results.append(pickle.loads(self._store.get(key)))
             except dist.DistStoreError:
                 results.append(self._missing_rank(sequence, rank, deadline))
-        return RunResult(
+        run = RunResult(
             results=results,
             seed=task.seed,
             deadline=deadline,
@@ -187,6 +187,8 @@ class ExternalWorld:
                 "external launcher: each rank printed its own output to its torchrun console"
             ],
         )
+        demote_secondary_failures(run)
+        return run
 
     def _missing_rank(self, sequence: int, rank: int, deadline: float) -> RankResult:
         stacks_key = f"{sequence}/stacks/{rank}"

@@ -66,6 +66,8 @@ class RankResult:
                 text = f"exited with code {self.exit_code}"
         elif self.reason:
             text = self.reason
+        elif self.outcome is Outcome.HUNG and not self.note:
+            text = "still running at the deadline"
         else:
             text = ""
         if self.note:

@@ -18,7 +18,7 @@ from typing import Protocol
 
 from harness.config import VOLATILE_ENV
 from harness.deadline import pg_timeout_for
-from harness.outcomes import Outcome, RankResult, RunResult
+from harness.outcomes import Outcome, RankResult, RunResult, demote_secondary_failures
 from harness.task import RankTask
 
 
@@ -118,6 +118,7 @@ class PoolManager:
             raise
         if pool.broken or fresh:
             self._discard(key, recycled=pool.broken)
+        demote_secondary_failures(run)
         return run
 
     def _acquire(self, key: PoolKey, start_budget: float | None) -> RankPool:

@@ -64,9 +64,9 @@ def make_pool(key: PoolKey, *, echo) -> RankPool:
         # Accelerator ranks: lease devices so parallel pytest workers never share one.
         return LeasedPool(key.device_type, key.world_size, total, process_pool)
     if key.launcher == "thread":
-        from harness.threads.pool import ThreadPool
+        from harness.threads.host import ThreadHostPool
 
-        return ThreadPool(key.world_size)
+        return ThreadHostPool(key.world_size, echo=echo)
     raise pytest.UsageError(f"distconform: the {key.launcher!r} launcher is not available yet")
 
 

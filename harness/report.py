@@ -129,18 +129,33 @@ def _other_primary_failures(run: RunResult, primary: RankResult | None) -> list[
 
 
 def clean_stacks(stacks: str) -> str:
-    """faulthandler output without the harness's own threads and frames.
+    """Stack dumps without the harness's own threads and frames.
 
-    A thread with no frame outside the harness (the parent watcher, a watchdog) is
-    dropped; in the others, the frames below the test body are.
+    Handles faulthandler's format (one line per frame) and traceback's (a ``File``
+    line, then the source line). A thread with no frame outside the harness (the
+    parent watcher, a watchdog) is dropped; in the others, the frames below the test
+    body are.
     """
     cleaned = []
     for block in stacks.strip().split("\n\n"):
-        header, *frames = block.splitlines()
-        kept = [f for f in frames if not f.strip().startswith(_BOOTSTRAP_FRAME_MARKERS)]
+        lines = block.splitlines()
+        header = lines[:1] if lines and not lines[0].strip().startswith("File ") else []
+        kept = _user_frames(lines[len(header) :])
         if kept:
-            cleaned.append("\n".join([header, *kept]))
+            cleaned.append("\n".join([*header, *kept]))
     return "\n\n".join(cleaned) if cleaned else stacks.strip()
+
+
+def _user_frames(lines: list[str]) -> list[str]:
+    kept: list[str] = []
+    dropping = False
+    for line in lines:
+        stripped = line.strip()
+        if stripped.startswith("File "):
+            dropping = stripped.startswith(_BOOTSTRAP_FRAME_MARKERS)
+        if not dropping:
+            kept.append(line)
+    return kept
 
 
 def _tail(text: str, lines: int = 20) -> str:

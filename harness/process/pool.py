@@ -106,7 +106,7 @@ class ProcessPool:
         self._tmpdir = tempfile.mkdtemp(prefix="distconform-")
         store = self._make_store()
         try:
-            for rank in range(self.spec.world_size):
+            for rank in range(self.process_count):
                 self._ranks.append(self._spawn(rank, store))
             self._await_ready()
         except BaseException:
@@ -137,23 +137,31 @@ class ProcessPool:
             return {"kind": "tcp", "host": "127.0.0.1", "port": port}
         raise ValueError(f"unknown rendezvous {self.spec.rendezvous!r}: use 'file' or 'tcp'")
 
-    def _spawn(self, rank: int, store: dict) -> _Rank:
-        parent_sock, child_sock = socket.socketpair()
-        stack_path = Path(self._tmpdir) / f"stacks-rank{rank}.txt"
-        spec = WorkerSpec(
+    @property
+    def process_count(self) -> int:
+        """How many OS processes the pool runs (one per rank here)."""
+        return self.spec.world_size
+
+    def _worker_spec(self, rank: int, store: dict, control_fd: int, stack_path: Path) -> WorkerSpec:
+        return WorkerSpec(
             rank=rank,
             world_size=self.spec.world_size,
             backend=self.spec.backend,
             device_type=self.spec.device_type,
             launcher=self.launcher,
             threads=self.spec.threads_per_rank,
-            control_fd=child_sock.fileno(),
+            control_fd=control_fd,
             stack_path=str(stack_path),
             store=store,
             init_timeout=self.spec.start_timeout,
             parent_pid=os.getpid(),
             sys_path=tuple(p for p in sys.path if p),
         )
+
+    def _spawn(self, rank: int, store: dict) -> _Rank:
+        parent_sock, child_sock = socket.socketpair()
+        stack_path = Path(self._tmpdir) / f"stacks-rank{rank}.txt"
+        spec = self._worker_spec(rank, store, child_sock.fileno(), stack_path)
         try:
             process = start_rank(
                 self.spec.start_method, spec.to_json(), self._rank_env(), child_sock.fileno()

@@ -193,7 +193,12 @@ def main(argv: list[str]) -> None:
     for entry in reversed(spec.sys_path):
         if entry not in sys.path:
             sys.path.insert(0, entry)
-    serve(spec)
+    if spec.launcher == "thread":
+        from harness.threads.host import serve_thread_host
+
+        serve_thread_host(spec)
+    else:
+        serve(spec)
     # Skip interpreter teardown: destroying a process group whose peers are
     # already gone can block, and the parent has nothing left to learn from us.
     sys.stdout.flush()

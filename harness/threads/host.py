@@ -1,0 +1,139 @@
+"""The thread launcher's host process: N rank threads live in one child process.
+
+Rank threads cannot be killed. Running them inside pytest would leave a hung rank
+spinning in the pytest process for the rest of the session, so the threads live in a
+host process forked from the fork server, like a process rank. The host runs each
+task on its :class:`~harness.threads.pool.ThreadPool` and sends back the judged
+``RunResult``; when a run did not pass cleanly (a hung thread may still be spinning)
+the parent kills the host and the next test gets a new one.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from dataclasses import dataclass, replace
+from multiprocessing.connection import Connection, wait
+from pathlib import Path
+
+from harness.outcomes import Outcome, RankResult, RunResult
+from harness.process.pool import ProcessPool, ProcessPoolSpec
+from harness.process.worker import BetweenTestsCheck, WorkerSpec
+from harness.task import RankTask
+
+# Beyond the deadline the host's own runner reports a hung thread; this long again,
+# and the host process itself is considered stuck.
+_HOST_MARGIN_S = 10.0
+
+
+@dataclass(frozen=True)
+class ThreadHostRun:
+    task: RankTask
+    deadline: float
+    peer_grace: float
+
+
+class ThreadHostPool(ProcessPool):
+    """``world_size`` rank threads in one host process; implements ``RankPool``."""
+
+    launcher = "thread"
+
+    def __init__(self, world_size: int, echo=None) -> None:
+        super().__init__(
+            ProcessPoolSpec(
+                world_size=world_size,
+                backend="threaded",
+                device_type="cpu",
+                threads_per_rank=1,
+                echo=echo,
+            )
+        )
+
+    @property
+    def process_count(self) -> int:
+        return 1
+
+    def _make_store(self) -> dict:
+        return {"kind": "none"}  # the rank threads rendezvous inside the host
+
+    def _worker_spec(self, rank: int, store: dict, control_fd: int, stack_path: Path) -> WorkerSpec:
+        return replace(super()._worker_spec(rank, store, control_fd, stack_path), rank=0)
+
+    def run(self, task: RankTask, deadline: float, peer_grace: float) -> RunResult:
+        self._task_counter += 1
+        task = replace(task, task_id=self._task_counter)
+        host = self._ranks[0]
+        mark = host.output.mark()
+        started = time.monotonic()
+        host.conn.send(ThreadHostRun(task, deadline, peer_grace))
+        if wait([host.conn], timeout=deadline + _HOST_MARGIN_S):
+            try:
+                run = host.conn.recv()
+            except (EOFError, OSError):
+                run = self._host_died(task, host, started, deadline)
+        else:
+            run = self._host_stuck(task, host, started, deadline)
+        if host.popen.poll() is None:
+            host.output.wait_for_task_end(task.task_id, 2.0)
+        else:
+            host.output.wait_closed(2.0)
+        stray = host.output.text_since(mark)
+        if stray.strip():
+            run.harness_notes.append(f"output of the thread host outside the ranks:\n{stray}")
+        if not run.ok or run.by_outcome(Outcome.HUNG):
+            # A hung rank thread may still be spinning: only a new host is clean.
+            self.kill()
+        return run
+
+    def _host_died(self, task: RankTask, host, started: float, deadline: float) -> RunResult:
+        crash = self._crash_result(host, started)
+        results = [
+            replace(crash, rank=rank, note="the thread host process died")
+            for rank in range(self.spec.world_size)
+        ]
+        return RunResult(results, task.seed, deadline, started, time.monotonic())
+
+    def _host_stuck(self, task: RankTask, host, started: float, deadline: float) -> RunResult:
+        stacks = self._dump_stacks([host]).get(0)
+        results = [
+            RankResult(
+                rank=rank,
+                outcome=Outcome.HUNG,
+                started_at=started,
+                stacks=stacks,
+                note=f"the thread host did not answer within {deadline + _HOST_MARGIN_S:.1f} s",
+            )
+            for rank in range(self.spec.world_size)
+        ]
+        self.kill()
+        return RunResult(results, task.seed, deadline, started, time.monotonic())
+
+
+def serve_thread_host(spec: WorkerSpec) -> None:
+    """The host process's loop (runs in the child)."""
+    import torch
+
+    from harness.process.output import end_marker_line
+    from harness.threads.pool import ThreadPool
+
+    torch.set_num_threads(spec.threads)
+    conn = Connection(spec.control_fd)
+    pool = ThreadPool(spec.world_size)
+    pool.start()
+    conn.send(("ready", os.getpid()))
+    while True:
+        try:
+            request = conn.recv()
+        except EOFError:
+            return
+        if request is None:
+            return
+        if isinstance(request, BetweenTestsCheck):
+            conn.send([])  # every run builds a fresh threaded world
+            continue
+        run = pool.run(request.task, request.deadline, request.peer_grace)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.write(1, end_marker_line(request.task.task_id))
+        conn.send(run)

@@ -1,0 +1,60 @@
+"""--launcher thread: rank threads in a host process that is replaced after a hang."""
+
+from __future__ import annotations
+
+import psutil
+import pytest
+
+from harness import Outcome
+from harness.pools import PoolKey, PoolManager
+from harness.pytest_run import make_pool
+from tests.harness import rank_bodies
+from tests.harness.conftest import task_for
+
+THREAD_KEY = PoolKey(
+    launcher="thread", world_size=4, backend="threaded", device_type="cpu", threads_per_rank=1
+)
+
+
+@pytest.fixture
+def thread_pools():
+    manager = PoolManager(lambda key: make_pool(key, echo=None))
+    yield manager
+    manager.shutdown()
+
+
+def run(pools: PoolManager, fn, *args, deadline: float = 20.0):
+    return pools.run(THREAD_KEY, task_for(fn, *args), deadline=deadline, peer_grace=0.5)
+
+
+def test_rank_threads_share_one_warm_host(thread_pools):
+    for _ in range(3):
+        assert run(thread_pools, rank_bodies.all_reduce_rank_sum).values == [10.0] * 4
+    assert thread_pools.spawn_count == 1
+
+
+def test_a_hung_rank_thread_is_reported_and_its_host_replaced(thread_pools):
+    assert run(thread_pools, rank_bodies.all_reduce_rank_sum).ok
+    host_pid = thread_pools._pools[THREAD_KEY].pids[0]
+    hung = run(thread_pools, rank_bodies.loop_on, 2, deadline=3.0)
+    assert hung.results[2].outcome is Outcome.HUNG
+    assert "spin_forever" in hung.results[2].stacks
+    assert hung.primary_failure() is hung.results[2]
+    # The host with the spinning thread is gone; the next test gets a new one.
+    assert not psutil.pid_exists(host_pid) or psutil.Process(host_pid).status() == "zombie"
+    after = run(thread_pools, rank_bodies.all_reduce_rank_sum)
+    assert after.ok and thread_pools.spawn_count == 2
+
+
+def test_an_error_in_one_rank_thread_fails_the_test_and_releases_the_others(thread_pools):
+    result = run(thread_pools, rank_bodies.raise_on, 1)
+    assert result.results[1].outcome is Outcome.FAILED
+    assert "deliberate failure on rank 1" in result.results[1].traceback
+    peers = [r for r in result.results if r.rank != 1]
+    assert all(r.outcome is Outcome.ABORTED_BY_PEER for r in peers)
+    assert result.finished_at - result.started_at < 5
+
+
+def test_rank_threads_draw_from_their_own_generators(thread_pools):
+    draws = run(thread_pools, rank_bodies.rng_state_digest).values
+    assert len({value for value, _ in draws}) == 1  # same seed, isolated generators
