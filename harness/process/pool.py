@@ -22,6 +22,7 @@ from datetime import timedelta
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
 
+from harness.comm import flight as comm_flight
 from harness.outcomes import Outcome, RankResult, RunResult
 from harness.pools import PoolStartFailure
 from harness.process.output import RankOutput
@@ -283,9 +284,16 @@ class ProcessPool:
                 except (EOFError, OSError):
                     results[rank.rank] = self._crash_result(rank, started)
         notes: list[str] = []
+        # harness/comm: read the ranks' collective traces before a kill removes the temp dir.
+        traces = None
+        if pending or any(r.outcome not in _CLEAN_OUTCOMES for r in results.values()):
+            traces = comm_flight.read_traces(self._tmpdir, self.spec.world_size)
         if pending:
             self._stop_unfinished(list(pending.values()), results, started, deadline, abort_at)
             notes.append(self._stop_note(results, deadline, abort_at, hard_stop))
+        states = {rank: result.outcome.value for rank, result in results.items()}
+        if (comm_note := comm_flight.diagnosis_note(traces, states)) is not None:
+            notes.append(comm_note)
         self._attach_output(task, results, marks)
         if any(r.outcome not in _CLEAN_OUTCOMES or r.hygiene for r in results.values()):
             self.broken = True

@@ -151,6 +151,7 @@ def serve(spec: WorkerSpec) -> None:
     import torch
 
     from harness import hygiene, memory
+    from harness.comm import flight as comm_flight
     from harness.process.output import end_marker_line
     from harness.rank_exec import run_task
 
@@ -170,7 +171,12 @@ def serve(spec: WorkerSpec) -> None:
             continue
         ctx = dataclasses.replace(base_ctx, seed=task.seed)
         before = hygiene.take_snapshot()
-        with memory.limited_memory(task.memory_limit):
+        # harness/comm: this rank's collectives go to a trace file the parent reads on a hang.
+        trace_dir = os.path.dirname(spec.stack_path)
+        with (
+            memory.limited_memory(task.memory_limit),
+            comm_flight.recording(trace_dir, spec.rank, task.task_id),
+        ):
             result = run_task(task, ctx)
         if task.memory_limit and memory.looks_like_out_of_memory(
             result.error_type, result.error_message

@@ -1,0 +1,39 @@
+"""Collective instrumentation: count, trace, compare, schedule and perturb collectives.
+
+    with CommTracer(mesh=mesh) as trace:            # on every rank
+        with trace.phase("forward"): ...
+    trace.count("all_gather", group="dp", phase="forward") / trace.totals(...) / trace.counts(...)
+    assert_schedule(trace, '''...''')               # expecttest inline; rank 0 rewrites
+    find_divergence({rank: calls}) -> Divergence | None
+    with delay_collectives(0.05, kinds=("all_gather",), ranks=(1,)): ...
+    with wrap_collectives(fn, kinds=..., ranks=...): ...      # fn(call, proceed)
+    min_bytes_per_rank(groups, shard_size=..., replicate_size=...) -> MinBytes
+
+Process ranks also keep an always-on trace (``flight``) that the parent reads after a
+hang or failure to name the first divergent collective in the report.
+"""
+
+from harness.comm.divergence import Divergence, find_divergence
+from harness.comm.inject import busy_wait, delay_collectives, device_sleep, wrap_collectives
+from harness.comm.min_bytes import MinBytes, min_bytes_per_rank, padded_numel
+from harness.comm.records import CollectiveCall
+from harness.comm.schedule import assert_schedule
+from harness.comm.tracer import CommTotals, CommTracer, format_schedule, mesh_group_labels
+
+__all__ = [
+    "CollectiveCall",
+    "CommTotals",
+    "CommTracer",
+    "Divergence",
+    "MinBytes",
+    "assert_schedule",
+    "busy_wait",
+    "delay_collectives",
+    "device_sleep",
+    "find_divergence",
+    "format_schedule",
+    "mesh_group_labels",
+    "min_bytes_per_rank",
+    "padded_numel",
+    "wrap_collectives",
+]

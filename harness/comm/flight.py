@@ -1,0 +1,133 @@
+"""Always-on collective traces of process ranks that survive a hang or a kill.
+
+While a task runs, each rank appends one JSON line per collective (kind, group, shapes,
+dtypes, call site, sequence numbers: about 400 bytes) to a file in the pool's private
+temp dir, *before* the collective is issued, with one unbuffered ``write``: a rank stuck
+in the collective, or killed in it, has already recorded it. The files are a ring of two
+halves of ``RING_HALF`` calls each, so a long test keeps its latest calls in bounded
+space. The parent reads them after a failure or hang, before it removes the directory,
+and :func:`diagnosis_note` names the first collective where the ranks diverge.
+
+``DISTCONFORM_COMM_FLIGHT=0`` in the environment turns the recorder off.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from harness.comm.divergence import find_divergence
+from harness.comm.intercept import Interceptor, Proceed
+from harness.comm.records import CollectiveCall, RawCall
+from harness.comm.tracer import CallNumbering
+
+FLIGHT_ENV = "DISTCONFORM_COMM_FLIGHT"
+RING_HALF = 2000
+
+
+def trace_paths(directory: str | os.PathLike[str], rank: int) -> tuple[Path, Path]:
+    base = Path(directory)
+    return base / f"comm-rank{rank}.0.jsonl", base / f"comm-rank{rank}.1.jsonl"
+
+
+def enabled() -> bool:
+    return os.environ.get(FLIGHT_ENV, "1") not in ("0", "off", "false", "")
+
+
+class FlightRecorder(Interceptor):
+    """Appends each collective of this rank to its ring of trace files.
+
+    Always on, so it takes the cheap path only: the wrapped ``torch.distributed``
+    functions, no torch function mode (functional collectives are not recorded unless a
+    ``CommTracer`` is active at the same time).
+    """
+
+    functional = False
+
+    def __init__(
+        self, directory: str | os.PathLike[str], rank: int, task_id: int, ring_half: int = RING_HALF
+    ) -> None:
+        self._paths = trace_paths(directory, rank)
+        self._task_id = task_id
+        self._ring_half = ring_half
+        self._numbering = CallNumbering()
+        self._fd = -1
+        self._part = 0
+        self._in_part = 0
+
+    def __enter__(self) -> FlightRecorder:
+        for path in self._paths:  # the previous task's calls are not this task's
+            with contextlib.suppress(OSError):
+                path.unlink()
+        self._open_part(0)
+        super().__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            super().__exit__(*exc)
+        finally:
+            if self._fd >= 0:
+                os.close(self._fd)
+                self._fd = -1
+
+    def _open_part(self, part: int) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND
+        self._fd = os.open(self._paths[part], flags, 0o600)
+        self._part, self._in_part = part, 0
+        os.write(self._fd, (json.dumps({"task": self._task_id}) + "\n").encode())
+
+    def handle(self, raw: RawCall, proceed: Proceed) -> Any:
+        call = self._numbering.number(raw, None)
+        if self._in_part >= self._ring_half:
+            self._open_part(1 - self._part)
+        os.write(self._fd, (json.dumps(call.to_json()) + "\n").encode())
+        self._in_part += 1
+        return proceed()
+
+
+def recording(directory: str | os.PathLike[str] | None, rank: int, task_id: int) -> Any:
+    """The recorder for one task, or a no-op context when turned off or without a directory."""
+    if directory is None or not enabled():
+        return contextlib.nullcontext()
+    return FlightRecorder(directory, rank, task_id)
+
+
+def read_rank_trace(directory: str | os.PathLike[str], rank: int) -> list[CollectiveCall]:
+    """One rank's recorded calls, oldest first (a line cut short by a kill is dropped)."""
+    calls = []
+    for path in trace_paths(directory, rank):
+        try:
+            lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+        except OSError:
+            continue
+        for line in lines[1:]:
+            with contextlib.suppress(ValueError, TypeError, KeyError):
+                calls.append(CollectiveCall.from_json(json.loads(line)))
+    return sorted(calls, key=lambda c: c.seq)
+
+
+def read_traces(
+    directory: str | os.PathLike[str] | None, world_size: int
+) -> dict[int, list[CollectiveCall]] | None:
+    if directory is None or not enabled():
+        return None
+    return {rank: read_rank_trace(directory, rank) for rank in range(world_size)}
+
+
+def diagnosis_note(
+    traces: Mapping[int, Sequence[CollectiveCall]] | None, rank_states: Mapping[int, str]
+) -> str | None:
+    """The report paragraph naming the first divergent collective, or None if none."""
+    if not traces:
+        return None
+    divergence = find_divergence(traces)
+    if divergence is None:
+        return None
+    return "collective trace: " + divergence.describe(rank_states)
