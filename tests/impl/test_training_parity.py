@@ -11,12 +11,14 @@ way, and each step's forward+backward issues exactly:
 
 Each rank draws different data (seed ``42 + rank + 1``), so gradient averaging matters.
 
-Gradients are compared every step for the MLP models. For the Transformer, as upstream, the
-losses are compared every step and the parameters at the end: its ``.sum()`` loss over
+Gradients are compared every step. For the Transformer with replicate or a root-only group
+they use rtol = atol = 1e-3 instead of fp32's defaults: its ``.sum()`` loss over
 ``3 x 64 x 1024`` logits gives per-rank gradient entries around 2000 that cancel to single
 digits when averaged, and gloo sums a flat group buffer in a different order than the
-reference's per-parameter all-reduce, so at world size 4 a few entries differ by one ulp of
-2048 (1.2e-4), above fp32's atol. [measured: replicate Transformer, ws 4]
+reference's per-parameter all-reduce, so at world size 4 a few entries differ by an ulp of
+2048 (1.2e-4; max rel 1.9e-4) [measured: replicate Transformer, ws 4]. That still catches a
+missing or doubled averaging (a factor of 2), which losses alone would not: Adam is
+invariant to the scale of the gradients.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from suites.models import MLP, MLPStack, ModelArgs, Transformer, TransformerBloc
 from tests.impl.comm_count import count_collectives
 
 STEPS = 10
+SUMMED_LOGITS_GRAD_TOLERANCE = (1e-3, 1e-3)
 slow = pytest.mark.slow
 
 
@@ -69,7 +72,7 @@ def train_with_parity(
     expected: Expected,
     loss_fn: Callable[[nn.Module, torch.Tensor], torch.Tensor] = lambda m, x: m(x).sum(),
     *,
-    compare_grads: bool = True,
+    grad_tolerance: tuple[float, float] | None = None,
 ) -> None:
     reference = ReferenceModel(model, adam)
     distribute(model)
@@ -84,7 +87,9 @@ def train_with_parity(
         reference_loss = reference.forward_backward(lambda m, inp=inp: loss_fn(m, inp))
         assert_losses_equal(step, loss, reference_loss)
         assert dict(counts) == expected.as_counts(), f"step {step}: {dict(counts)}"
-        assert_sharded_parity(reference.module, model, check_grads=compare_grads)
+        assert_sharded_parity(reference.module, model, check_grads=False)
+        grad_rtol, grad_atol = grad_tolerance or (None, None)
+        assert_sharded_parity(reference.module, model, rtol=grad_rtol, atol=grad_atol)
         optimizer.step()
         set_to_none = step % 2 == 0
         optimizer.zero_grad(set_to_none=set_to_none)
@@ -271,7 +276,7 @@ def run_default_reshard_policy_transformer(rank_ctx, impl) -> None:
         shard_blocks_and_root(impl, None),
         transformer_tokens,
         Expected.sharded(groups=3, resharded_after_forward=2),
-        compare_grads=False,
+        grad_tolerance=SUMMED_LOGITS_GRAD_TOLERANCE,
     )
 
 
@@ -283,7 +288,7 @@ def test_single_group_transformer_root_only(rank_ctx, impl):
         impl.fully_shard,
         transformer_tokens,
         Expected.sharded(groups=1, resharded_after_forward=0),
-        compare_grads=False,
+        grad_tolerance=SUMMED_LOGITS_GRAD_TOLERANCE,
     )
 
 
@@ -309,7 +314,7 @@ def test_replicate_transformer(rank_ctx, impl):
         replicate_blocks_and_root(impl),
         transformer_tokens,
         Expected(all_reduce=n_layers + 1),
-        compare_grads=False,
+        grad_tolerance=SUMMED_LOGITS_GRAD_TOLERANCE,
     )
 
 
