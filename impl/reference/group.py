@@ -98,8 +98,8 @@ class ParamGroup:
         self._pending_all_gather: tuple[torch.distributed.Work | None, torch.Tensor] | None = None
         # Backward bookkeeping: a group reduces as soon as every gradient it expects has been
         # accumulated; groups with unused parameters are flushed by the final callback.
-        self.in_backward = False
         self._grads_ready: set[int] = set()
+        self._grads_expected = sum(p.requires_grad for p in params)
         for index, p in enumerate(params):
             assert p.unsharded_param is not None
             p.unsharded_param.register_post_accumulate_grad_hook(
@@ -112,11 +112,12 @@ class ParamGroup:
         """Start the all-gather (if not already started); unless ``async_op``, finish it."""
         if self.is_unsharded:
             return
+        if self._pending_all_gather is None:
+            self._check_sharded_storage()
         if not self.gathers:
             self._register_unsharded()
             return
         if self._pending_all_gather is None:
-            self._check_sharded_storage()
             output = self.sharded_flat.new_empty(self.world_size * self.flat_numel)
             work = collectives.all_gather_flat(
                 output, self.sharded_flat, self.process_group, async_op
@@ -149,6 +150,8 @@ class ParamGroup:
     def _register_unsharded(self) -> None:
         for p in self.params:
             p.register_unsharded()
+        # Users freeze parameters on the registered (sharded) form between iterations.
+        self._grads_expected = sum(p.unsharded_param.requires_grad for p in self.params)
         self.is_unsharded = True
 
     def _copy_rank_major_to_param_major(self, output: torch.Tensor) -> None:
@@ -198,13 +201,11 @@ class ParamGroup:
 
     def _on_grad_accumulated(self, index: int) -> None:
         self._grads_ready.add(index)
-        expected = sum(1 for p in self.params if p.unsharded_param.requires_grad)
-        if len(self._grads_ready) >= expected:
+        if len(self._grads_ready) >= self._grads_expected:
             self.post_backward()
 
     def post_backward(self) -> None:
         """Reduce the accumulated gradients (if syncing) and reshard (if asked to)."""
-        self.in_backward = False
         self._grads_ready.clear()
         if self.requires_gradient_sync:
             self._reduce_gradients()
@@ -249,7 +250,6 @@ class ParamGroup:
 
     def reset(self) -> None:
         """Forget a failed iteration: drop pending work and unsharded grads, reshard."""
-        self.in_backward = False
         self._grads_ready.clear()
         for p in self.params:
             p.take_unsharded_grad()

@@ -201,10 +201,8 @@ class FSDPState:
             return
         self.training = TrainingState.PRE_BACKWARD
         self.ctx.queue_final_callback()
-        if self.group is not None:
-            self.group.in_backward = True
-            if self.unshard_in_backward:
-                self.group.unshard()
+        if self.group is not None and self.unshard_in_backward:
+            self.group.unshard()
         for target in self.backward_prefetch:
             if target.group is not None:
                 target.group.unshard(async_op=True)
