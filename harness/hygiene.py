@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass
 from datetime import timedelta
 
+import torch
 import torch.distributed as dist
 
 from harness import _torch_private
@@ -30,6 +31,18 @@ class Snapshot:
     threads: frozenset[int]
     env: dict[str, str]
     groups: frozenset[int]
+    torch_globals: dict[str, object]
+
+
+def _torch_globals() -> dict[str, object]:
+    """Process-wide torch switches a test can flip and forget to flip back."""
+    return {
+        "default dtype": torch.get_default_dtype(),
+        "grad mode": torch.is_grad_enabled(),
+        "anomaly detection": torch.is_anomaly_enabled(),
+        "deterministic algorithms": torch.are_deterministic_algorithms_enabled(),
+        "torch threads": torch.get_num_threads(),
+    }
 
 
 def take_snapshot() -> Snapshot:
@@ -38,6 +51,7 @@ def take_snapshot() -> Snapshot:
         threads=frozenset(t.ident for t in threading.enumerate() if t.ident is not None),
         env=dict(os.environ),
         groups=frozenset(id(g) for g in groups),
+        torch_globals=_torch_globals(),
     )
 
 
@@ -46,7 +60,17 @@ def clean_up_after_test(before: Snapshot) -> list[str]:
     violations = _destroy_new_groups(before)
     violations += _leaked_threads(before)
     violations += _changed_env(before)
+    violations += _changed_torch_globals(before)
     return violations
+
+
+def _changed_torch_globals(before: Snapshot) -> list[str]:
+    after = _torch_globals()
+    return [
+        f"torch {name} changed from {before.torch_globals[name]} to {value}"
+        for name, value in after.items()
+        if value != before.torch_globals[name]
+    ]
 
 
 def _destroy_new_groups(before: Snapshot) -> list[str]:

@@ -26,7 +26,13 @@ import torch
 import torch.distributed as dist
 
 from harness.threads import observe
-from harness.threads.world import Meeting, ThreadWorld, copy_error, current_rank
+from harness.threads.world import (
+    CollectiveMismatchError,
+    Meeting,
+    ThreadWorld,
+    copy_error,
+    current_rank,
+)
 
 BACKEND_NAME = "threaded"
 
@@ -101,6 +107,9 @@ class ThreadedWork(dist.Work):
         meeting = self._meeting
         self._world.wait_until(self._rank, meeting.settled, meeting.what, seconds or None)
         if meeting.error is not None:
+            if isinstance(meeting.error, CollectiveMismatchError):
+                # Already names both sides: every rank reports the same words.
+                raise copy_error(meeting.error, str(meeting.error))
             raise copy_error(meeting.error, f"{meeting.what} failed: {meeting.error}")
         return True
 
@@ -226,8 +235,11 @@ class ThreadedProcessGroup(dist.ProcessGroup):
                 for r in range(len(p)):
                     p[r][i].copy_(reduced)
 
+        # Shapes and dtypes are part of what every rank must agree on, so a mismatch is
+        # reported as such instead of surfacing as an arithmetic error.
+        signature = tuple((t.dtype, tuple(t.shape)) for t in tensors)
         return self._meet(
-            "allreduce", (op, len(tensors)), tensors, execute, tensors, tensors, tensors
+            "allreduce", (op, len(tensors), signature), tensors, execute, tensors, tensors, tensors
         )
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> ThreadedWork:

@@ -179,12 +179,14 @@ def _shape_mismatch() -> None:
     dist.all_reduce(torch.ones(2 + dist.get_rank()))
 
 
-def test_failed_data_movement_fails_every_participant():
+def test_a_shape_mismatch_fails_every_participant_as_a_mismatch():
     result = run_threaded(_shape_mismatch, 2, deadline=30.0)
     for run in result.ranks:
         assert run.outcome is RankOutcome.FAILED, result.report()
         assert isinstance(run.error, RuntimeError)
-        assert "allreduce #0 on group '0' failed" in str(run.error)
+        message = str(run.error)
+        assert "ranks disagree on the collective: allreduce #0" in message
+        assert "(2,)" in message and "(3,)" in message
     # Each rank raised its own exception object (tracebacks are per rank).
     assert result.ranks[0].error is not result.ranks[1].error
 

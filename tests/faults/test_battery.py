@@ -1,0 +1,98 @@
+"""The fault battery: every failure mode ends in a clear, fast, attributable report.
+
+Each fault runs on both launchers (where meaningful) at world sizes 2 and 4. For each
+one the report must name the right outcome, rank and cause within the deadline plus
+10 s, and the next test on the same pool key must pass. The battery's table (fault by
+launcher by world size: outcome, seconds) is printed at the end of the session.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+
+import psutil
+import pytest
+
+from harness import Outcome
+from harness.memory import parse_size
+from harness.pools import PoolKey, PoolManager
+from harness.process.spawning import close_shared_zygote
+from harness.pytest_run import make_pool
+from harness.report import render_failure
+from tests.faults import faults
+from tests.faults.conftest import record_row
+from tests.harness.conftest import task_for
+
+LAUNCHERS = ("process", "thread")
+BACKEND = {"process": "gloo", "thread": "threaded"}
+
+
+@pytest.fixture(scope="module")
+def battery_pools():
+    manager = PoolManager(lambda key: make_pool(key, echo=None))
+    yield manager
+    manager.shutdown()
+    close_shared_zygote()
+    leftover = psutil.Process().children(recursive=True)
+    assert leftover == [], f"the battery left processes behind: {leftover}"
+
+
+def _cases():
+    for fault in faults.FAULTS:
+        for launcher in LAUNCHERS:
+            if launcher not in fault.launchers:
+                continue
+            for world_size in (2, 4):
+                marks = [pytest.mark.slow] if world_size == 4 else []
+                yield pytest.param(
+                    fault,
+                    launcher,
+                    world_size,
+                    id=f"{fault.name}-{launcher}-ws{world_size}",
+                    marks=marks,
+                )
+
+
+def _expected_rank(fault: faults.Fault, launcher: str) -> int | None:
+    crashes_host = Outcome.CRASHED in fault.outcomes and launcher == "thread"
+    return None if crashes_host else fault.rank
+
+
+@pytest.mark.parametrize(("fault", "launcher", "world_size"), _cases())
+def test_fault_is_reported_and_the_next_test_passes(battery_pools, fault, launcher, world_size):
+    key = PoolKey(
+        launcher=launcher,
+        world_size=world_size,
+        backend=BACKEND[launcher],
+        device_type="cpu",
+        threads_per_rank=1,
+    )
+    task = task_for(fault.body)
+    task = replace(task, pg_timeout=fault.deadline * 0.8)
+    if fault.memory_limit:
+        task = replace(task, memory_limit=parse_size(fault.memory_limit))
+    started = time.monotonic()
+    run = battery_pools.run(key, task, deadline=fault.deadline, peer_grace=0.5)
+    elapsed = time.monotonic() - started
+    text = render_failure(run, context="battery", reproducer=None)
+    assert not run.ok, text
+    assert elapsed <= fault.deadline + 10, f"reported after {elapsed:.1f} s"
+    if fault.outcome is Outcome.SKIPPED:
+        assert run.inconsistent_skip
+        assert f"ranks {faults.BAD_RANK} skipped" in text
+        reported = "inconsistent skip"
+    else:
+        primary = run.primary_failure()
+        assert primary is not None, text
+        assert primary.outcome in fault.outcomes, text
+        expected_rank = _expected_rank(fault, launcher)
+        if expected_rank is not None:
+            assert primary.rank == expected_rank, text
+        assert any(cause in text for cause in fault.causes), text
+        # The root cause is told once; peers are not buried under copies of it.
+        assert text.count("Traceback (most recent call last)") <= 1, text
+        reported = f"{primary.outcome.value} (rank {primary.rank})"
+    record_row(fault.name, launcher, world_size, reported, elapsed)
+    after = battery_pools.run(key, task_for(faults.probe), deadline=20.0, peer_grace=0.5)
+    assert after.ok and after.values == [float(world_size)] * world_size
