@@ -1,0 +1,121 @@
+"""Injection delays the chosen collectives on the chosen ranks, and leaves nothing behind."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from harness.comm import CommTracer, delay_collectives, device_sleep, wrap_collectives
+from harness.comm.intercept import active_users, leftover_patches
+from harness.comm.records import WRAPPED_FUNCTIONS
+
+DELAY_S = 0.3
+
+
+def _dist_functions() -> dict[str, object]:
+    return {name: getattr(dist, name) for name in WRAPPED_FUNCTIONS}
+
+
+def _timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+@pytest.mark.world_size(2, 4)
+def test_a_delay_on_one_rank_delays_its_all_reduce_and_not_its_barrier(rank_ctx):
+    slow_rank = rank_ctx.world_size - 1
+    before = _dist_functions()
+    dist.barrier()
+    undelayed = _timed(lambda: dist.all_reduce(torch.ones(4)))
+    with delay_collectives(DELAY_S, ranks=[slow_rank]):
+        delayed = _timed(lambda: dist.all_reduce(torch.ones(4)))
+        barrier = _timed(dist.barrier)
+    # Every rank waits for the slow one inside the all-reduce, so every rank measures it.
+    assert undelayed < DELAY_S / 2, undelayed
+    assert delayed >= DELAY_S * 0.9, delayed
+    assert barrier < DELAY_S / 2, barrier
+    assert _dist_functions() == before
+
+
+@pytest.mark.world_size(2)
+def test_functional_collectives_and_reduce_scatter_are_delayed_too(rank_ctx):
+    from torch.distributed.tensor import DTensor, Shard
+
+    mesh = rank_ctx.mesh(2, ("dp",))
+    shard = DTensor.from_local(torch.ones(2), mesh, [Shard(0)], run_check=False)
+    with delay_collectives(DELAY_S, kinds=("all_gather", "reduce_scatter"), ranks=[0]):
+        gathered = _timed(shard.full_tensor)
+        scattered = _timed(lambda: dist.reduce_scatter_single(torch.empty(1), torch.ones(2)))
+        reduced = _timed(lambda: dist.all_reduce(torch.ones(1)))
+    assert gathered >= DELAY_S * 0.9, gathered
+    assert scattered >= DELAY_S * 0.9, scattered
+    assert reduced < DELAY_S / 2, reduced
+
+
+@pytest.mark.world_size(2, 4)
+def test_a_wrapper_runs_on_the_chosen_ranks_only(rank_ctx):
+    seen = []
+
+    def count_then_issue(call, proceed):
+        seen.append((call.kind, call.shapes))
+        return proceed()
+
+    with wrap_collectives(count_then_issue, ranks=[0]):
+        dist.all_reduce(torch.ones(3))
+        dist.all_gather_single(torch.empty(2 * rank_ctx.world_size), torch.ones(2))
+        dist.barrier()
+    expected = [("all_reduce", ((3,),)), ("all_gather", ((2,),))] if rank_ctx.rank == 0 else []
+    assert seen == expected, seen
+
+
+@pytest.mark.world_size(2)
+def test_nothing_stays_patched_after_exit_even_after_an_error(rank_ctx):
+    from torch.distributed.tensor import DTensor, Shard
+
+    before, users = _dist_functions(), active_users()
+    mesh = rank_ctx.mesh(2, ("dp",))
+    shard = DTensor.from_local(torch.ones(2), mesh, [Shard(0)], run_check=False)
+    with (
+        pytest.raises(ZeroDivisionError),
+        CommTracer(),
+        delay_collectives(0.01),
+        wrap_collectives(lambda c, p: p()),
+    ):
+        dist.all_reduce(torch.ones(1))
+        1 / 0  # noqa: B018
+    assert _dist_functions() == before
+    assert active_users() == users
+    # A torch function mode left on the stack would hand this functional all-gather to
+    # the tracer below, which asked for no mode of its own.
+    with CommTracer(functional=False) as trace:
+        shard.full_tensor()
+    assert trace.calls == [], trace.calls
+
+
+def test_outside_any_rank_nothing_is_patched_after_exit():
+    from harness.threads.observe import has_listeners
+
+    originals = _dist_functions()
+    with CommTracer(), delay_collectives(0.01), CommTracer(functional=False):
+        assert leftover_patches()
+        assert _dist_functions() != originals
+        assert has_listeners()
+    assert leftover_patches() == []
+    assert _dist_functions() == originals
+    assert active_users() == 0
+    assert not has_listeners()
+
+
+def test_busy_wait_and_device_sleep_guards():
+    from harness.comm import busy_wait
+
+    assert _timed(lambda: busy_wait(0.05)) >= 0.05
+    if torch.accelerator.current_accelerator() is None:
+        with pytest.raises(RuntimeError, match="needs an accelerator"):
+            device_sleep(0.01)
+    with pytest.raises(RuntimeError, match="needs an accelerator"):
+        device_sleep(0.01, device="cpu")
