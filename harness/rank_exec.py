@@ -104,7 +104,14 @@ def _record_exception(result: RankResult, exc: BaseException) -> None:
 
 
 def _user_frames(tb: Any) -> Any:
-    """Drop the harness's own frames from the top of a traceback."""
-    while tb is not None and tb.tb_frame.f_globals.get("__name__") == __name__:
+    """Drop the harness's own frames (and importlib's) from the top of a traceback."""
+    while tb is not None and _is_harness_frame(tb.tb_frame):
         tb = tb.tb_next
     return tb
+
+
+def _is_harness_frame(frame: Any) -> bool:
+    name = frame.f_globals.get("__name__", "")
+    return name.startswith(("harness.", "importlib")) or frame.f_code.co_filename.startswith(
+        "<frozen importlib"
+    )

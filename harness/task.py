@@ -120,10 +120,17 @@ def ensure_modules(refs: tuple[ModuleRef, ...], sys_path: tuple[str, ...]) -> No
             continue
         try:
             importlib.import_module(ref.name)
-        except ImportError:
-            if ref.path is None:
+        except ModuleNotFoundError as exc:
+            # Only "not on sys.path" falls back to the file; an import error raised by
+            # the module's own code is the test's failure and is reported as it is.
+            if ref.path is None or exc.name not in _prefixes(ref.name):
                 raise
             _load_from_file(ref.name, ref.path, ref.is_package)
+
+
+def _prefixes(name: str) -> set[str]:
+    parts = name.split(".")
+    return {".".join(parts[: i + 1]) for i in range(len(parts))}
 
 
 def _load_from_file(name: str, path: str | None, is_package: bool) -> None:

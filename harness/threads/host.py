@@ -32,6 +32,7 @@ class ThreadHostRun:
     task: RankTask
     deadline: float
     peer_grace: float
+    task_world_size: int
 
 
 class ThreadHostPool(ProcessPool):
@@ -66,7 +67,7 @@ class ThreadHostPool(ProcessPool):
         host = self._ranks[0]
         mark = host.output.mark()
         started = time.monotonic()
-        host.conn.send(ThreadHostRun(task, deadline, peer_grace))
+        host.conn.send(ThreadHostRun(task, deadline, peer_grace, self.spec.world_size))
         if wait([host.conn], timeout=deadline + _HOST_MARGIN_S):
             try:
                 run = host.conn.recv()
@@ -110,6 +111,27 @@ class ThreadHostPool(ProcessPool):
         return RunResult(results, task.seed, deadline, started, time.monotonic())
 
 
+def _host_error(request: ThreadHostRun, exc: Exception) -> RunResult:
+    """The thread pool itself failed: every rank gets the harness's own traceback."""
+    import traceback
+
+    now = time.monotonic()
+    text = "".join(traceback.format_exception(exc))
+    results = [
+        RankResult(
+            rank=rank,
+            outcome=Outcome.FAILED,
+            started_at=now,
+            finished_at=now,
+            error_type=type(exc).__qualname__,
+            error_message=f"the thread host could not run the test: {exc}",
+            traceback=text,
+        )
+        for rank in range(request.task_world_size)
+    ]
+    return RunResult(results, request.task.seed, request.deadline, now, now)
+
+
 def serve_thread_host(spec: WorkerSpec) -> None:
     """The host process's loop (runs in the child)."""
     import torch
@@ -132,7 +154,10 @@ def serve_thread_host(spec: WorkerSpec) -> None:
         if isinstance(request, BetweenTestsCheck):
             conn.send([])  # every run builds a fresh threaded world
             continue
-        run = pool.run(request.task, request.deadline, request.peer_grace)
+        try:
+            run = pool.run(request.task, request.deadline, request.peer_grace)
+        except Exception as exc:
+            run = _host_error(request, exc)
         sys.stdout.flush()
         sys.stderr.flush()
         os.write(1, end_marker_line(request.task.task_id))

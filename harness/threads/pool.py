@@ -15,6 +15,7 @@ process, as the runner says.
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import torch
@@ -110,7 +111,10 @@ class ThreadPool:
         self.start()
         assert self._runner is not None
         # Import the test's modules once, in the parent thread, before the ranks unpickle.
-        ensure_modules(task.modules, task.sys_path)
+        # An import error is not ours to report: every rank imports again in run_task
+        # and reports it as its own failure, with its traceback.
+        with contextlib.suppress(Exception):
+            ensure_modules(task.modules, task.sys_path)
         started = time.monotonic()
         run = self._runner.run(_rank_body, task, self.world_size, deadline=deadline)
         results = [_to_rank_result(r) for r in run.ranks]
