@@ -45,10 +45,9 @@ def fully_shard(
 
     ``reshard_after_forward``: ``True`` frees unsharded parameters after forward (one more
     all-gather in backward); ``False`` keeps them; ``None`` means ``False`` for the root and
-    ``True`` otherwise; an int ``k`` (a divisor of the world size) asks FSDP2 to reshard to
-    groups of ``k`` ranks. The reference treats ``k > 1`` like ``True``: numerics and
-    collective counts are identical, only the peak memory between forward and backward
-    differs. ``k == 1`` means ``False``.
+    ``True`` otherwise; an int ``k`` (a divisor of the world size) keeps ``1/k`` of the
+    unsharded parameters after forward, so backward all-gathers within groups of ``k``
+    consecutive ranks (``k == 1`` means ``False``, ``k == world size`` means ``True``).
     """
     mesh = mesh if mesh is not None else _default_mesh(None)
     if mesh.ndim != 1:
@@ -67,7 +66,21 @@ def fully_shard(
             )
         return Shard(chosen.dim % param.ndim) if param.ndim else chosen
 
-    return _manage(module, mesh, placement, reshard_after_forward, mp_policy, offload_policy, False)
+    post_forward_mesh = None
+    is_int = isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool)
+    if is_int and 1 < reshard_after_forward < mesh.size():
+        # Collective: every rank calls fully_shard in the same order, so all create it.
+        post_forward_mesh = DeviceMesh(mesh.device_type, mesh.mesh.view(-1, reshard_after_forward))
+    return _manage(
+        module,
+        mesh,
+        placement,
+        reshard_after_forward,
+        mp_policy,
+        offload_policy,
+        False,
+        post_forward_mesh,
+    )
 
 
 def replicate(
@@ -110,6 +123,7 @@ def _manage(
     mp_policy: MixedPrecisionPolicy,
     offload_policy: OffloadPolicy,
     replicated: bool,
+    post_forward_mesh: DeviceMesh | None = None,
 ) -> ModuleOrList:
     require_supported_policies(mp_policy, offload_policy)
     modules = tuple(module) if isinstance(module, list) else (module,)
@@ -145,7 +159,11 @@ def _manage(
     for m in modules:
         _move_buffers(m, device)
 
-    group = ParamGroup(managed, originals, mesh, device, replicated) if managed else None
+    group = (
+        ParamGroup(managed, originals, mesh, device, replicated, post_forward_mesh)
+        if managed
+        else None
+    )
     state = FSDPState(modules, device, group, reshard_after_forward, replicated, tied_elsewhere)
     for param in originals:
         setattr(param, _OWNER_ATTR, state)

@@ -16,6 +16,11 @@ One gradient reduction is one ``reduce_scatter_single`` of the gradients laid ou
 (sharded groups) or one ``all_reduce`` of the flattened gradients (replicated groups).
 Without collectives (world size 1, or replicate) the unsharded parameters alias the sharded
 storage directly: no copies at all.
+
+``reshard_after_forward=k`` (1 < k < W) keeps, between forward and backward, a slice of
+``unsharded_flat`` instead of nothing: each parameter's region split into ``k`` pieces, this
+rank keeping piece ``rank % k``. The backward all-gather then runs within a group of ``k``
+consecutive ranks and lands directly in param-major order.
 """
 
 from __future__ import annotations
@@ -50,6 +55,7 @@ class ParamGroup:
         mesh: DeviceMesh,
         device: torch.device,
         replicated: bool,
+        post_forward_mesh: DeviceMesh | None = None,
     ) -> None:
         dtypes = {p.dtype for p in params}
         if len(dtypes) != 1:
@@ -94,6 +100,10 @@ class ParamGroup:
             for p in params:
                 p.init_unsharded(self.sharded_flat, p.flat_offset)
 
+        # reshard_after_forward=k: the (W/k, k) mesh whose dim 1 is this rank's group of k.
+        self.post_forward_mesh = post_forward_mesh
+        self._post_forward_shard: torch.Tensor | None = None
+
         self.is_unsharded = False
         self._pending_all_gather: tuple[torch.distributed.Work | None, torch.Tensor] | None = None
         # Backward bookkeeping: a group reduces as soon as every gradient it expects has been
@@ -118,10 +128,12 @@ class ParamGroup:
             self._register_unsharded()
             return
         if self._pending_all_gather is None:
-            output = self.sharded_flat.new_empty(self.world_size * self.flat_numel)
-            work = collectives.all_gather_flat(
-                output, self.sharded_flat, self.process_group, async_op
-            )
+            source, group = self.sharded_flat, self.process_group
+            if self._post_forward_shard is not None:
+                assert self.post_forward_mesh is not None
+                source, group = self._post_forward_shard, self.post_forward_mesh.get_group(1)
+            output = source.new_empty(self.world_size * self.flat_numel)
+            work = collectives.all_gather_flat(output, source, group, async_op)
             self._pending_all_gather = (work, output)
         if not async_op:
             self.wait_for_unshard()
@@ -134,13 +146,37 @@ class ParamGroup:
         if work is not None:
             work.wait()
         self._allocate_unsharded_storage()
-        self._copy_rank_major_to_param_major(output)
+        if self._post_forward_shard is not None:
+            self._copy_post_forward_gather(output)
+            self._post_forward_shard = None
+        else:
+            self._copy_rank_major_to_param_major(output)
         self._register_unsharded()
 
-    def reshard(self) -> None:
+    def reshard_after_forward_step(self) -> None:
+        """What post-forward does: nothing, a full reshard, or a reshard to groups of k."""
+        if not self.reshard_after_forward:
+            return
+        if self.post_forward_mesh is None or not self.gathers:
+            self.reshard()
+            return
         self.wait_for_unshard()
         if not self.is_unsharded:
             return
+        pieces, piece = self.post_forward_mesh.size(1), self.post_forward_mesh.get_local_rank(1)
+        self._post_forward_shard = torch.cat(
+            [self._param_region(p).view(pieces, -1)[piece] for p in self.params]
+        )
+        self._reshard_to_sharded()
+
+    def reshard(self) -> None:
+        self.wait_for_unshard()
+        self._post_forward_shard = None
+        if not self.is_unsharded:
+            return
+        self._reshard_to_sharded()
+
+    def _reshard_to_sharded(self) -> None:
         for p in self.params:
             p.register_sharded()
         if self.gathers:
@@ -176,6 +212,23 @@ class ParamGroup:
                 target = self.unsharded_flat.narrow(0, ws * p.flat_offset, ws * p.flat_numel)
                 split = _rank_split_view(p.layout.padded_shape, p.layout.dim, ws)
                 target.view(split).transpose(0, 1).copy_(source.view(_rank_major_shape(split)))
+
+    def _param_region(self, p: ManagedParam) -> torch.Tensor:
+        """``p``'s padded full tensor inside ``unsharded_flat``, flat."""
+        ws = self.world_size
+        return self.unsharded_flat.narrow(0, ws * p.flat_offset, ws * p.flat_numel)
+
+    def _copy_post_forward_gather(self, output: torch.Tensor) -> None:
+        assert self.post_forward_mesh is not None
+        pieces = self.post_forward_mesh.size(1)
+        by_rank = output.view(pieces, -1)
+        with torch.no_grad():
+            torch.split_with_sizes_copy(
+                by_rank,
+                [self.world_size * p.flat_numel // pieces for p in self.params],
+                dim=1,
+                out=[self._param_region(p).view(pieces, -1) for p in self.params],
+            )
 
     def _allocate_unsharded_storage(self) -> None:
         storage = self.unsharded_flat.untyped_storage()

@@ -78,6 +78,7 @@ class FSDPModule:
         for state in self._fsdp_states(recurse):
             if state.group is not None and not state.replicated:
                 state.group.reshard_after_forward = reshard_after_forward
+                state.group.post_forward_mesh = None  # a bool means all or nothing
 
     def set_reshard_after_backward(
         self, reshard_after_backward: bool, *, recurse: bool = True

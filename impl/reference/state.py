@@ -133,8 +133,7 @@ class FSDPState:
             # The root's parameters are needed again right away by backward.
             resharded = not self.is_root
         else:
-            # An int reshards to a smaller world; the reference reshards fully instead, which
-            # gives identical numerics and collective counts (see fully_shard's docstring).
+            # An int k > 1 reshards to groups of k ranks (the group's post-forward mesh).
             resharded = requested if isinstance(requested, bool) else requested > 1
         self.group.reshard_after_forward = resharded
 
@@ -183,8 +182,8 @@ class FSDPState:
         return output
 
     def _finish_forward(self) -> None:
-        if self.group is not None and self.group.reshard_after_forward:
-            self.group.reshard()
+        if self.group is not None:
+            self.group.reshard_after_forward_step()
         self.training = TrainingState.IDLE
 
     def _hook_pre_backward(self, output: Any) -> Any:

@@ -26,11 +26,20 @@ _originals: dict[str, Callable] = {}
 _per_thread = threading.local()
 
 
+def _group_of(name: str, args: tuple, kwargs: dict) -> dist.ProcessGroup | None:
+    if "group" in kwargs:
+        return kwargs["group"]
+    # Positional group: all_gather_single(out, in, group), all_reduce(t, op, group),
+    # reduce_scatter_single(out, in, op, group).
+    index = {"all_gather_single": 2, "all_reduce": 2, "reduce_scatter_single": 3}[name]
+    return args[index] if len(args) > index else None
+
+
 def _wrap(name: str, original: Callable) -> Callable:
     def counting(*args, **kwargs):
-        counts = getattr(_per_thread, "counts", None)
-        if counts is not None:
-            counts[name] += 1
+        record = getattr(_per_thread, "record", None)
+        if record is not None:
+            record(name, dist.get_world_size(_group_of(name, args, kwargs)))
         return original(*args, **kwargs)
 
     return counting
@@ -38,20 +47,39 @@ def _wrap(name: str, original: Callable) -> Callable:
 
 @contextlib.contextmanager
 def count_collectives() -> Iterator[Counter[str]]:
-    global _active
+    """Calls per function name."""
     counts: Counter[str] = Counter({name: 0 for name in COUNTED})
+
+    def record(name: str, group_size: int) -> None:
+        counts[name] += 1
+
+    with _recording(record):
+        yield counts
+
+
+@contextlib.contextmanager
+def trace_collectives() -> Iterator[list[tuple[str, int]]]:
+    """``(function name, group size)`` per call, in call order."""
+    calls: list[tuple[str, int]] = []
+    with _recording(lambda name, size: calls.append((name, size))):
+        yield calls
+
+
+@contextlib.contextmanager
+def _recording(record: Callable[[str, int], None]) -> Iterator[None]:
+    global _active
     with _lock:
         if _active == 0:
             for name in COUNTED:
                 _originals[name] = getattr(dist, name)
                 setattr(dist, name, _wrap(name, _originals[name]))
         _active += 1
-    previous = getattr(_per_thread, "counts", None)
-    _per_thread.counts = counts
+    previous = getattr(_per_thread, "record", None)
+    _per_thread.record = record
     try:
-        yield counts
+        yield
     finally:
-        _per_thread.counts = previous
+        _per_thread.record = previous
         with _lock:
             _active -= 1
             if _active == 0:

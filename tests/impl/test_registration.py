@@ -14,6 +14,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from suites.models import MLP
+from tests.impl.comm_count import trace_collectives
 
 RESHARD_AFTER_FORWARD = [True, False, 2, None]
 
@@ -237,3 +238,22 @@ def test_root_forward_inputs(rank_ctx, impl):
     assert impl.fully_shard(nested) is nested, "fully_shard must return the module"
     x, ys = torch.randn(3), (torch.randn(3), torch.randn(3))
     nested(x, ys).sum().backward()
+
+
+@pytest.mark.world_size(4)
+def test_int_reshard_after_forward_gathers_within_smaller_groups(rank_ctx, impl):
+    model = MLP(8)
+    impl.fully_shard(model.in_proj, reshard_after_forward=2)
+    impl.fully_shard(model, reshard_after_forward=2)
+    with trace_collectives() as calls:
+        out = model(torch.randn(2, 8))
+        forward_calls = list(calls)
+        out.sum().backward()
+    backward_calls = calls[len(forward_calls) :]
+    ws = rank_ctx.world_size
+    assert forward_calls == [("all_gather_single", ws)] * 2
+    # Between forward and backward each rank keeps half of every parameter: the backward
+    # all-gathers run within pairs; the reduce-scatters still span the whole world.
+    assert sorted(backward_calls) == sorted(
+        [("all_gather_single", 2)] * 2 + [("reduce_scatter_single", ws)] * 2
+    )
