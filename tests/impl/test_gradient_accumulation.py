@@ -75,7 +75,17 @@ def set_flags(model: nn.Module, mode: str, rab: bool, last: bool) -> None:
 @pytest.mark.world_size(2)
 @pytest.mark.parametrize("case", CASES, ids=case_id)
 def test_gradient_accumulation(rank_ctx, impl, case):
-    raf, mode, rab = case
+    run_gradient_accumulation(rank_ctx, impl, *case)
+
+
+@pytest.mark.slow
+@pytest.mark.world_size(4)
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_gradient_accumulation_ws4(rank_ctx, impl, case):
+    run_gradient_accumulation(rank_ctx, impl, *case)
+
+
+def run_gradient_accumulation(rank_ctx, impl, raf: bool, mode: str, rab: bool) -> None:
     torch.manual_seed(42)
     model = nn.Sequential(nn.Linear(32, 32), MLP(32), MLP(32), MLP(32))
     reference = copy.deepcopy(model)
