@@ -48,6 +48,7 @@ class RankResult:
     comm_error: bool = False
     note: str | None = None
     hygiene: list[str] = field(default_factory=list)
+    warnings: list = field(default_factory=list)
 
     @property
     def duration(self) -> float | None:

@@ -18,6 +18,7 @@ from harness.leasing import LeasedPool
 from harness.outcomes import Outcome, RunResult
 from harness.pools import PoolKey, PoolManager, RankPool, env_fingerprint
 from harness.process.spawning import close_shared_zygote
+from harness.rank_warnings import filters_from_config, reemit
 from harness.report import DistributedFailure
 from harness.task import RankTask, TaskPackingError, pack_call
 
@@ -169,6 +170,7 @@ def run_item(item: pytest.Function) -> None:
         seed=settings.seed,
         pg_timeout=pg_timeout_for(deadline),
         memory_limit=memory_limit_for(item),
+        warning_filters=filters_from_config(item.config) if settings.launcher != "thread" else (),
     )
     world = external_world(item.config)
     if world is not None:
@@ -189,6 +191,7 @@ def run_item(item: pytest.Function) -> None:
     for result in run.results:
         if result.output:
             item.add_report_section("call", f"output rank {result.rank}", result.output)
+    reemit({r.rank: r.warnings for r in run.results if r.warnings})
     for violation, ranks in _group_by_violation(run).items():
         listed = ", ".join(str(rank) for rank in ranks)
         item.warn(HygieneWarning(f"{violation} (ranks {listed}); the pool was recycled"))

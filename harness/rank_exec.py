@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from harness.outcomes import Outcome, RankResult
 from harness.rank_context import RankContext, RankLocal, active_rank_context
+from harness.rank_warnings import rank_warning_capture
 from harness.task import RankTask, ensure_modules, unpack_call
 
 # Text that gloo, NCCL and the store put in errors raised because *another* rank
@@ -55,7 +56,8 @@ def _build_rank_locals(value: Any, ctx: RankContext) -> Any:
 def run_task(task: RankTask, ctx: RankContext) -> RankResult:
     result = RankResult(rank=ctx.rank, outcome=Outcome.PASSED, started_at=time.monotonic())
     try:
-        with active_rank_context(ctx):
+        with active_rank_context(ctx), rank_warning_capture(task.warning_filters) as caught:
+            result.warnings = caught  # filled in when the capture ends
             _call(task, ctx, result)
     except BaseException as exc:  # every outcome, SystemExit included, is reported
         _record_exception(result, exc)

@@ -43,6 +43,8 @@ class RankTask:
     pg_timeout: float
     task_id: int = 0
     memory_limit: int | None = None
+    # pytest's warning filters: (filter, whether its text is literal).
+    warning_filters: tuple[tuple[str, bool], ...] = ()
 
 
 def pack_call(fn: Any, args: tuple, kwargs: dict[str, Any]) -> tuple[bytes, tuple[ModuleRef, ...]]:
