@@ -44,7 +44,7 @@ def test_ini_filters_turn_our_futurewarnings_into_failures_in_the_ranks(pytester
     result.assert_outcomes(failed=1, passed=1, warnings=3)
     result.stdout.fnmatch_lines(
         [
-            "*rank [[]01[]] failed: FutureWarning: ourcode calls a deprecated API*",
+            "*rank [01] failed: FutureWarning: ourcode calls a deprecated API*",
             "*UserWarning: [[]rank 0[]] rank 0 says hello*",
             "*FutureWarning: [[]rank 0, 1[]] every rank says this*",
         ]
