@@ -24,6 +24,8 @@ class Outcome(enum.StrEnum):
     NOT_STARTED = "not-started"
 
 
+# Outcomes after which a rank is ready for the next test.
+CLEAN_OUTCOMES = frozenset({Outcome.PASSED, Outcome.SKIPPED, Outcome.XFAILED})
 PRIMARY_FAILURES = frozenset({Outcome.FAILED, Outcome.CRASHED, Outcome.HUNG})
 BAD_OUTCOMES = PRIMARY_FAILURES | {Outcome.ABORTED_BY_PEER, Outcome.NOT_STARTED}
 

@@ -9,7 +9,6 @@ because an earlier test broke a pool.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import time
 from collections.abc import Callable
@@ -46,7 +45,7 @@ class PoolKey:
     threads_per_rank: int
     rendezvous: str = "file"
     env: tuple[tuple[str, str], ...] = ()
-    env_fingerprint: str = ""
+    env_fingerprint: int = 0
 
     def describe(self) -> str:
         return (
@@ -65,11 +64,18 @@ class PoolStartFailure(RuntimeError):
 
 PoolFactory = Callable[[PoolKey], RankPool]
 
-def env_fingerprint(environ: dict[str, str] | None = None) -> str:
-    """A digest of the environment ranks inherit: a changed variable means a new pool."""
-    environ = dict(os.environ if environ is None else environ)
-    items = sorted((k, v) for k, v in environ.items() if k not in VOLATILE_ENV)
-    return hashlib.sha256(repr(items).encode()).hexdigest()[:16]
+def env_fingerprint(environ: dict[str, str] | None = None) -> int:
+    """A digest of the environment ranks inherit: a changed variable means a new pool.
+
+    Computed for every test, so it is a set hash (C speed, no sorting); it only has to
+    be stable within this process.
+    """
+    environ = os.environ if environ is None else environ
+    return hash(frozenset(environ.items()) - _volatile_items(environ))
+
+
+def _volatile_items(environ) -> frozenset[tuple[str, str]]:
+    return frozenset((k, environ[k]) for k in VOLATILE_ENV if k in environ)
 
 
 class PoolManager:

@@ -40,10 +40,17 @@ def is_comm_error(exc: BaseException) -> bool:
     return isinstance(exc, RuntimeError) and any(marker in text for marker in _PEER_ERROR_MARKERS)
 
 
-def reseed(seed: int) -> None:
-    """The same seed on every rank: tests that need per-rank randomness derive it from rank."""
+def reseed(seed: int, device_type: str = "cpu") -> None:
+    """The same seed on every rank: tests that need per-rank randomness derive it from rank.
+
+    On CPU ranks only the CPU generator exists; ``torch.manual_seed`` would also queue
+    a lazy seed for every device type, which costs half a millisecond per test.
+    """
     random.seed(seed)
-    torch.manual_seed(seed)
+    if device_type == "cpu":
+        torch.default_generator.manual_seed(seed)
+    else:
+        torch.manual_seed(seed)
     numpy = sys.modules.get("numpy")
     if numpy is not None:
         numpy.random.seed(seed % 2**32)
@@ -71,7 +78,7 @@ def _call(task: RankTask, ctx: RankContext, result: RankResult) -> None:
     fn, args, kwargs = unpack_call(task.payload)
     args = tuple(_build_rank_locals(a, ctx) for a in args)
     kwargs = {k: _build_rank_locals(v, ctx) for k, v in kwargs.items()}
-    reseed(task.seed)
+    reseed(task.seed, ctx.device_type)
     if dist.is_initialized():
         dist.group.WORLD.set_timeout(timedelta(seconds=task.pg_timeout))
     result.value = fn(*args, **kwargs)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import pickle
 import shutil
 import signal
 import socket
@@ -23,11 +24,11 @@ from multiprocessing.connection import Connection, wait
 from pathlib import Path
 
 from harness.comm import flight as comm_flight
-from harness.outcomes import Outcome, RankResult, RunResult
+from harness.outcomes import CLEAN_OUTCOMES, Outcome, RankResult, RunResult
 from harness.pools import PoolStartFailure
 from harness.process.output import RankOutput
 from harness.process.spawning import RankHandle, start_rank, with_package_on_path
-from harness.process.worker import EXIT_PARENT_GONE, BetweenTestsCheck, WorkerSpec
+from harness.process.worker import BETWEEN_TESTS_TIMEOUT_S, EXIT_PARENT_GONE, WorkerSpec
 from harness.task import RankTask
 
 # How long the parent waits for a rank's output after it has finished or died.
@@ -262,9 +263,10 @@ class ProcessPool:
         started = time.monotonic()
         marks = {r.rank: r.output.mark() for r in self._ranks}
         results: dict[int, RankResult] = {}
+        message = pickle.dumps(task, protocol=pickle.HIGHEST_PROTOCOL)  # once, for every rank
         for rank in self._ranks:
             try:
-                rank.conn.send(task)
+                rank.conn.send_bytes(message)
             except OSError:
                 results[rank.rank] = self._crash_result(rank, started)
         hard_stop = started + deadline
@@ -286,7 +288,7 @@ class ProcessPool:
         notes: list[str] = []
         # harness/comm: read the ranks' collective traces before a kill removes the temp dir.
         traces = None
-        if pending or any(r.outcome not in _CLEAN_OUTCOMES for r in results.values()):
+        if pending or any(r.outcome not in CLEAN_OUTCOMES for r in results.values()):
             traces = comm_flight.read_traces(self._tmpdir, self.spec.world_size)
         if pending:
             self._stop_unfinished(list(pending.values()), results, started, deadline, abort_at)
@@ -295,10 +297,10 @@ class ProcessPool:
         if (comm_note := comm_flight.diagnosis_note(traces, states)) is not None:
             notes.append(comm_note)
         self._attach_output(task, results, marks)
-        if any(r.outcome not in _CLEAN_OUTCOMES or r.hygiene for r in results.values()):
+        if any(r.outcome not in CLEAN_OUTCOMES or r.hygiene for r in results.values()):
             self.broken = True
         else:
-            self._check_between_tests(results, min(_BETWEEN_TESTS_TIMEOUT_S, deadline))
+            self._collect_between_tests_checks(results, min(BETWEEN_TESTS_TIMEOUT_S, deadline))
         return RunResult(
             results=sorted_results(results.values()),
             seed=task.seed,
@@ -308,10 +310,8 @@ class ProcessPool:
             harness_notes=notes,
         )
 
-    def _check_between_tests(self, results: dict[int, RankResult], timeout: float) -> None:
-        """A barrier with a deadline on the default group, so the next test starts clean."""
-        for rank in self._ranks:
-            rank.conn.send(BetweenTestsCheck(timeout))
+    def _collect_between_tests_checks(self, results: dict[int, RankResult], timeout: float) -> None:
+        """Each rank ends a clean test with a barrier on the default group and reports it."""
         end = time.monotonic() + timeout + _OUTPUT_SETTLE_S
         pending = {r.conn: r for r in self._ranks}
         while pending and time.monotonic() < end:
@@ -417,10 +417,6 @@ class ProcessPool:
                 rank.output.wait_closed(_OUTPUT_SETTLE_S)
             results[rank.rank].output = rank.output.text_since(marks[rank.rank])
             rank.stack_offset = _file_size(rank.stack_path)
-
-
-_CLEAN_OUTCOMES = frozenset({Outcome.PASSED, Outcome.SKIPPED, Outcome.XFAILED})
-_BETWEEN_TESTS_TIMEOUT_S = 30.0
 
 
 def _is_primary(result: RankResult) -> bool:

@@ -20,6 +20,7 @@ from typing import Any
 
 # Exit code of a rank whose parent went away: distinguishable from a test's own exit.
 EXIT_PARENT_GONE = 70
+BETWEEN_TESTS_TIMEOUT_S = 30.0
 _PR_SET_PDEATHSIG = 1
 
 
@@ -86,13 +87,6 @@ def _install_stack_dumps(stack_path: str) -> None:
     faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True, chain=False)
 
 
-@dataclass(frozen=True)
-class BetweenTestsCheck:
-    """Sent to every rank after a clean test: the default group must still work."""
-
-    timeout: float
-
-
 def _make_store(store: dict[str, Any], world_size: int, timeout: timedelta) -> Any:
     import torch.distributed as dist
 
@@ -152,6 +146,7 @@ def serve(spec: WorkerSpec) -> None:
 
     from harness import hygiene, memory
     from harness.comm import flight as comm_flight
+    from harness.outcomes import CLEAN_OUTCOMES
     from harness.process.output import end_marker_line
     from harness.rank_exec import run_task
 
@@ -166,9 +161,6 @@ def serve(spec: WorkerSpec) -> None:
             return
         if task is None:
             return
-        if isinstance(task, BetweenTestsCheck):
-            conn.send(hygiene.check_default_group(task.timeout))
-            continue
         ctx = dataclasses.replace(base_ctx, seed=task.seed)
         before = hygiene.take_snapshot()
         # harness/comm: this rank's collectives go to a trace file the parent reads on a hang.
@@ -190,6 +182,11 @@ def serve(spec: WorkerSpec) -> None:
         sys.stderr.flush()
         os.write(1, end_marker_line(task.task_id))
         _send_result(conn, result)
+        if result.outcome in CLEAN_OUTCOMES and not result.hygiene:
+            # The result is already with the parent; now prove the default group still
+            # works for the next test. A rank whose peer failed would wait here in
+            # vain, but then the parent recycles the pool without reading this.
+            conn.send(hygiene.check_default_group(min(BETWEEN_TESTS_TIMEOUT_S, task.pg_timeout)))
 
 
 def main(argv: list[str]) -> None:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from harness.outcomes import Outcome, RankResult, RunResult
 from harness.process.pool import ProcessPool, ProcessPoolSpec
-from harness.process.worker import BetweenTestsCheck, WorkerSpec
+from harness.process.worker import WorkerSpec
 from harness.task import RankTask
 
 # Beyond the deadline the host's own runner reports a hung thread; this long again,
@@ -151,9 +151,6 @@ def serve_thread_host(spec: WorkerSpec) -> None:
             return
         if request is None:
             return
-        if isinstance(request, BetweenTestsCheck):
-            conn.send([])  # every run builds a fresh threaded world
-            continue
         try:
             run = pool.run(request.task, request.deadline, request.peer_grace)
         except Exception as exc:
