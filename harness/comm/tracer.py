@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections import Counter
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -114,6 +114,7 @@ class CommTracer(Interceptor):
         self._phases: list[str] = []
         self._lock = threading.Lock()
         self.calls: list[CollectiveCall] = []
+        self.marks: list[tuple[int, str]] = []  # (number of calls before the mark, label)
 
     def handle(self, raw: RawCall, proceed: Proceed) -> Any:
         phase = self._phases[-1] if self._phases else (None if self._auto_phase else "-")
@@ -177,17 +178,34 @@ class CommTracer(Interceptor):
             counted[key[0] if len(key) == 1 else key] += 1
         return dict(counted)
 
+    def mark(self, label: str) -> None:
+        """Put ``label`` between the collectives issued before and after this call.
+
+        Marks show where a collective was issued relative to the program (e.g. a module's
+        forward pre-hook marking each layer), which counts alone cannot show.
+        """
+        with self._lock:
+            self.marks.append((len(self.calls), label))
+
     def schedule(self, *, with_phase: bool = True, with_site: bool = False) -> str:
-        """One line per collective, in issue order: phase, kind, group, tensors."""
-        return format_schedule(self.calls, with_phase=with_phase, with_site=with_site)
+        """One line per collective in issue order (phase, kind, group, tensors); marks as
+        ``== label`` lines."""
+        return format_schedule(
+            self.calls, with_phase=with_phase, with_site=with_site, marks=self.marks
+        )
 
     def clear(self) -> None:
         with self._lock:
             self.calls.clear()
+            self.marks.clear()
 
 
 def format_schedule(
-    calls: list[CollectiveCall], *, with_phase: bool = True, with_site: bool = False
+    calls: list[CollectiveCall],
+    *,
+    with_phase: bool = True,
+    with_site: bool = False,
+    marks: Sequence[tuple[int, str]] = (),
 ) -> str:
     rows = []
     for call in calls:
@@ -197,11 +215,19 @@ def format_schedule(
         if with_site:
             row.append(call.site)
         rows.append(row)
-    if not rows:
-        return ""
-    widths = [max(len(r[i]) for r in rows if i < len(r)) for i in range(max(map(len, rows)))]
+    widths = [
+        max(len(r[i]) for r in rows if i < len(r)) for i in range(max(map(len, rows), default=0))
+    ]
     lines = [" ".join(cell.ljust(widths[i]) for i, cell in enumerate(row)).rstrip() for row in rows]
-    return "\n".join(lines) + "\n"
+    labels_at: dict[int, list[str]] = {}
+    for position, label in marks:
+        labels_at.setdefault(position, []).append(f"== {label}")
+    out = []
+    for position in range(len(lines) + 1):
+        out.extend(labels_at.get(position, ()))
+        if position < len(lines):
+            out.append(lines[position])
+    return "".join(line + "\n" for line in out)
 
 
 def current_rank() -> int:
