@@ -190,6 +190,17 @@ def _wrap(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
     return seen_by_interceptors
 
 
+_wrapper_cache: dict[tuple[str, Any], Callable[..., Any]] = {}
+
+
+def _wrapper_of(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
+    # Built once per function: every test on a process rank installs the wrappers anew.
+    key = (name, original)
+    if key not in _wrapper_cache:
+        _wrapper_cache[key] = _wrap(name, original)
+    return _wrapper_cache[key]
+
+
 def _on_threaded_collective(record: Any) -> None:
     if _state.handling or not _interceptors_here():
         return
@@ -218,7 +229,7 @@ def _acquire_wrappers() -> None:
         _hooks_users += 1
         if _hooks_users > 1:
             return
-        wrappers = {name: _wrap(name, getattr(c10d, name)) for name in WRAPPED_FUNCTIONS}
+        wrappers = {name: _wrapper_of(name, getattr(c10d, name)) for name in WRAPPED_FUNCTIONS}
         for module in _PATCHED_MODULES:
             for name, wrapper in wrappers.items():
                 _originals[(module, name)] = getattr(module, name)
