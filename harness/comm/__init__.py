@@ -2,11 +2,12 @@
 
     with CommTracer(mesh=mesh) as trace:            # on every rank
         with trace.phase("forward"): ...
+        trace.mark("layers.0")                      # a line in the schedule
     trace.count("all_gather", group="dp", phase="forward") / trace.totals(...) / trace.counts(...)
     assert_schedule(trace, '''...''')               # expecttest inline; rank 0 rewrites
     find_divergence({rank: calls}) -> Divergence | None
     with delay_collectives(0.05, kinds=("all_gather",), ranks=(1,)): ...
-    with wrap_collectives(fn, kinds=..., ranks=...): ...      # fn(call, proceed)
+    with wrap_collectives(fn, kinds=..., ranks=...): ...      # fn(call: RawCall, proceed)
     min_bytes_per_rank(groups, shard_size=..., replicate_size=...) -> MinBytes
 
 Process ranks also keep an always-on trace (``flight``) that the parent reads after a
@@ -16,7 +17,7 @@ hang or failure to name the first divergent collective in the report.
 from harness.comm.divergence import Divergence, find_divergence
 from harness.comm.inject import busy_wait, delay_collectives, device_sleep, wrap_collectives
 from harness.comm.min_bytes import MinBytes, min_bytes_per_rank, padded_numel
-from harness.comm.records import CollectiveCall
+from harness.comm.records import CollectiveCall, RawCall
 from harness.comm.schedule import assert_schedule
 from harness.comm.tracer import CommTotals, CommTracer, format_schedule, mesh_group_labels
 
@@ -26,6 +27,7 @@ __all__ = [
     "CommTracer",
     "Divergence",
     "MinBytes",
+    "RawCall",
     "assert_schedule",
     "busy_wait",
     "delay_collectives",
