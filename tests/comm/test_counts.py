@@ -105,3 +105,29 @@ def test_explicit_phases_override_detection_and_nest(rank_ctx):
         dist.all_reduce(torch.ones(1))
     assert [c.phase for c in trace.calls] == ["step", "warmup", "-"]
     assert [c.group_seq for c in trace.calls] == [0, 1, 2]
+
+
+@pytest.mark.world_size(2)
+def test_a_functional_collective_in_backward_is_seen_on_the_thread_launcher(rank_ctx):
+    if rank_ctx.launcher != "thread":
+        pytest.skip(
+            "known gap: torch function modes are not active in autograd hooks, so process "
+            "ranks do not see functional collectives issued during backward"
+        )
+    from torch.distributed.tensor import DTensor, Shard
+
+    mesh = rank_ctx.mesh(2, ("dp",))
+    weight = torch.ones(2, requires_grad=True)
+
+    def gather_in_backward(grad):
+        DTensor.from_local(grad, mesh, [Shard(0)], run_check=False).full_tensor()
+        return grad
+
+    weight.register_hook(gather_in_backward)
+    with CommTracer(mesh=mesh) as trace:
+        (weight * 2).sum().backward()
+    # Seen by the threaded backend's listener, since no torch function mode is active there.
+    seen = [(c.kind, c.api, c.group, c.phase, c.shapes) for c in trace.calls]
+    assert seen == [
+        ("all_gather", "threaded.all_gather_single_coalesced", "dp", "backward", ((2,),))
+    ], seen
