@@ -12,7 +12,8 @@ from harness.comm import CommTracer, delay_collectives, device_sleep, wrap_colle
 from harness.comm.intercept import active_users, leftover_patches
 from harness.comm.records import WRAPPED_FUNCTIONS
 
-DELAY_S = 0.3
+# Long enough to stand out from the scheduling noise of 4 rank threads on a loaded 2-core box.
+DELAY_S = 0.5
 
 
 def _dist_functions() -> dict[str, object]:
@@ -41,6 +42,7 @@ def _timed_from_barrier(fn) -> float:
 def test_a_delay_on_one_rank_delays_its_all_reduce_and_not_its_barrier(rank_ctx):
     slow_rank = rank_ctx.world_size - 1
     before = _dist_functions()
+    _timed_from_barrier(lambda: dist.all_reduce(torch.ones(4)))  # warm-up: first use is slower
     undelayed = _timed_from_barrier(lambda: dist.all_reduce(torch.ones(4)))
     with delay_collectives(DELAY_S, ranks=[slow_rank]):
         delayed = _timed_from_barrier(lambda: dist.all_reduce(torch.ones(4)))
