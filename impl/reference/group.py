@@ -122,21 +122,24 @@ class ParamGroup:
         """Start the all-gather (if not already started); unless ``async_op``, finish it."""
         if self.is_unsharded:
             return
-        if self._pending_all_gather is None:
-            self._check_sharded_storage()
         if not self.gathers:
+            self._check_sharded_storage()
             self._register_unsharded()
             return
         if self._pending_all_gather is None:
-            source, group = self.sharded_flat, self.process_group
-            if self._post_forward_shard is not None:
-                assert self.post_forward_mesh is not None
-                source, group = self._post_forward_shard, self.post_forward_mesh.get_group(1)
-            output = source.new_empty(self.world_size * self.flat_numel)
-            work = collectives.all_gather_flat(output, source, group, async_op)
-            self._pending_all_gather = (work, output)
+            self._start_all_gather(async_op)
         if not async_op:
             self.wait_for_unshard()
+
+    def _start_all_gather(self, async_op: bool) -> None:
+        self._check_sharded_storage()
+        source, group = self.sharded_flat, self.process_group
+        if self._post_forward_shard is not None:
+            assert self.post_forward_mesh is not None
+            source, group = self._post_forward_shard, self.post_forward_mesh.get_group(1)
+        output = source.new_empty(self.world_size * self.flat_numel)
+        work = collectives.all_gather_flat(output, source, group, async_op)
+        self._pending_all_gather = (work, output)
 
     def wait_for_unshard(self) -> None:
         if self._pending_all_gather is None:
@@ -196,20 +199,16 @@ class ParamGroup:
         with torch.no_grad():
             if all(p.is_dim0_sharded for p in self.params):
                 # Param-major regions viewed (W, padded shard) are exactly the padded params.
-                targets = [
-                    self.unsharded_flat.narrow(0, ws * p.flat_offset, ws * p.flat_numel).view(
-                        ws, -1
-                    )
-                    for p in self.params
-                ]
+                targets = [self._param_region(p).view(ws, -1) for p in self.params]
                 torch.split_with_sizes_copy(
                     by_rank, [p.flat_numel for p in self.params], dim=1, out=targets
                 )
                 return
             for p in self.params:
+                # Shard(d > 0): rank r's chunk is a strided slab of the full tensor.
                 assert p.layout is not None
                 source = by_rank.narrow(1, p.flat_offset, p.flat_numel)
-                target = self.unsharded_flat.narrow(0, ws * p.flat_offset, ws * p.flat_numel)
+                target = self._param_region(p)
                 split = _rank_split_view(p.layout.padded_shape, p.layout.dim, ws)
                 target.view(split).transpose(0, 1).copy_(source.view(_rank_major_shape(split)))
 
