@@ -7,10 +7,12 @@ go through ``impl/_torch_private.py``, version-checked.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from torch import nn
 from torch.distributed import fsdp
+from torch.distributed.device_mesh import DeviceMesh
 
 from impl import _torch_private
 from impl.api import KNOWN_CAPABILITIES, Implementation
@@ -26,13 +28,13 @@ class TorchImplementation(Implementation):
 
     def fully_shard(
         self,
-        module,
+        module: nn.Module | list[nn.Module],
         *,
-        mesh=None,
-        reshard_after_forward=None,
-        shard_placement_fn=None,
-        mp_policy=None,
-        offload_policy=None,
+        mesh: DeviceMesh | None = None,
+        reshard_after_forward: bool | int | None = None,
+        shard_placement_fn: Callable[[nn.Parameter], Any] | None = None,
+        mp_policy: Any = None,
+        offload_policy: Any = None,
     ) -> Any:
         return fsdp.fully_shard(
             module,
@@ -43,7 +45,14 @@ class TorchImplementation(Implementation):
             offload_policy=offload_policy if offload_policy is not None else fsdp.OffloadPolicy(),
         )
 
-    def replicate(self, module, *, mesh=None, mp_policy=None, offload_policy=None) -> Any:
+    def replicate(
+        self,
+        module: nn.Module | list[nn.Module],
+        *,
+        mesh: DeviceMesh | None = None,
+        mp_policy: Any = None,
+        offload_policy: Any = None,
+    ) -> Any:
         return _torch_private.torch_replicate()(
             module,
             mesh=mesh,

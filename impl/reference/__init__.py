@@ -7,15 +7,17 @@ Reading order for one training step: ``fully_shard.py`` (what a call sets up), `
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from impl.api import Implementation
 from impl.reference.fully_shard import fully_shard, register_fsdp_forward_method, replicate
 from impl.reference.module import FSDPModule, ReplicateModule
 from impl.reference.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
-from impl.reference.state import state_of
+from impl.reference.state import FSDPState, state_of
 
 __all__ = [
     "CPUOffloadPolicy",
@@ -50,13 +52,13 @@ class ReferenceImplementation(Implementation):
 
     def fully_shard(
         self,
-        module,
+        module: nn.Module | list[nn.Module],
         *,
-        mesh=None,
-        reshard_after_forward=None,
-        shard_placement_fn=None,
-        mp_policy=None,
-        offload_policy=None,
+        mesh: DeviceMesh | None = None,
+        reshard_after_forward: bool | int | None = None,
+        shard_placement_fn: Callable[[nn.Parameter], Any] | None = None,
+        mp_policy: Any = None,
+        offload_policy: Any = None,
     ) -> Any:
         return fully_shard(
             module,
@@ -67,7 +69,14 @@ class ReferenceImplementation(Implementation):
             offload_policy=offload_policy if offload_policy is not None else OffloadPolicy(),
         )
 
-    def replicate(self, module, *, mesh=None, mp_policy=None, offload_policy=None) -> Any:
+    def replicate(
+        self,
+        module: nn.Module | list[nn.Module],
+        *,
+        mesh: DeviceMesh | None = None,
+        mp_policy: Any = None,
+        offload_policy: Any = None,
+    ) -> Any:
         return replicate(
             module,
             mesh=mesh,
@@ -92,7 +101,7 @@ class ReferenceImplementation(Implementation):
                 state.group.unshard_async_op = async_op
 
 
-def _managed_state(module: nn.Module):
+def _managed_state(module: nn.Module) -> FSDPState:
     state = state_of(module)
     if state is None:
         raise ValueError(f"{type(module).__name__} is not managed by fully_shard or replicate")
