@@ -71,6 +71,14 @@ def mismatched_shapes() -> None:
     dist.all_reduce(torch.ones(4 + dist.get_rank()))
 
 
+def mismatched_ops() -> None:
+    tensor = torch.ones(4)
+    if dist.get_rank() == BAD_RANK:
+        dist.broadcast(tensor, src=0)
+    else:
+        dist.all_reduce(tensor)
+
+
 def inconsistent_skip() -> None:
     import pytest
 
@@ -128,6 +136,14 @@ FAULTS = [
         mismatched_shapes,
         (Outcome.FAILED, Outcome.CRASHED),
         # The trace diagnosis (process ranks) or the threaded backend's own check.
+        ("called different collectives", "ranks disagree on the collective"),
+        rank=None,
+        deadline=6.0,
+    ),
+    Fault(
+        "mismatched-ops",
+        mismatched_ops,
+        (Outcome.FAILED, Outcome.CRASHED),
         ("called different collectives", "ranks disagree on the collective"),
         rank=None,
         deadline=6.0,

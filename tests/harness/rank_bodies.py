@@ -112,3 +112,7 @@ def allocate_on(bad_rank: int, megabytes: int) -> int:
     size = megabytes if dist.get_rank() == bad_rank else 1
     block = torch.ones(size * 2**20 // 4)
     return int(block.numel())
+
+
+def leak_a_torch_global() -> None:
+    torch.set_default_dtype(torch.float64)

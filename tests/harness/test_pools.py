@@ -44,8 +44,9 @@ def test_creating_a_2d_mesh_is_not_a_leak(pools):
         (rank_bodies.leak_a_thread, "thread 'leaky' started by the test is still running"),
         (rank_bodies.leak_an_env_var, "environment variable DISTCONFORM_LEAKED changed"),
         (rank_bodies.leave_an_unmatched_collective, "default process group"),
+        (rank_bodies.leak_a_torch_global, "torch default dtype changed"),
     ],
-    ids=["thread", "env", "unmatched-collective"],
+    ids=["thread", "env", "unmatched-collective", "torch-global"],
 )
 def test_a_leak_recycles_the_pool_and_the_next_test_is_clean(pools, leak, expected):
     leaked = run(pools, leak)
