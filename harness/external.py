@@ -33,7 +33,7 @@ from harness import hygiene
 from harness.config import ConfigError
 from harness.outcomes import Outcome, RankResult, RunResult, demote_secondary_failures
 from harness.rank_context import RankContext
-from harness.rank_exec import run_task
+from harness.rank_exec import run_task_in_process
 from harness.task import RankTask
 
 _REQUIRED_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -139,12 +139,10 @@ class ExternalWorld:
         )
         started = time.monotonic()
         watchdog = _StackWatchdog(deadline, lambda stacks: self._give_up(sequence, stacks))
-        before = hygiene.take_snapshot()
         try:
-            result = run_task(task, ctx)
+            result = run_task_in_process(task, ctx, trace_dir=None)
         finally:
             watchdog.cancel()
-        result.hygiene = hygiene.clean_up_after_test(before)
         self._store.set(f"{sequence}/result/{self.rank}", pickle.dumps(result))
         if self.rank == 0:
             run = self._gather(sequence, task, started, deadline)

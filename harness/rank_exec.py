@@ -73,6 +73,32 @@ def run_task(task: RankTask, ctx: RankContext) -> RankResult:
     return result
 
 
+def run_task_in_process(task: RankTask, ctx: RankContext, trace_dir: str | None) -> RankResult:
+    """``run_task`` for a rank that owns its process: memory limit, flight trace, hygiene.
+
+    Used by the process launcher's ranks and by ranks started by torchrun; thread
+    ranks share a process, so none of this can be per rank for them.
+    """
+    from harness import hygiene, memory
+    from harness.comm import flight
+
+    before = hygiene.take_snapshot()
+    with (
+        memory.limited_memory(task.memory_limit),
+        flight.recording(trace_dir, ctx.rank, task.task_id),
+    ):
+        result = run_task(task, ctx)
+    if task.memory_limit and memory.looks_like_out_of_memory(
+        result.error_type, result.error_message
+    ):
+        result.note = (
+            f"rank {result.rank} exceeded its memory limit of "
+            f"{memory.format_size(task.memory_limit)}"
+        )
+    result.hygiene = hygiene.clean_up_after_test(before)
+    return result
+
+
 def _call(task: RankTask, ctx: RankContext, result: RankResult) -> None:
     ensure_modules(task.modules, task.sys_path)
     fn, args, kwargs = unpack_call(task.payload)

@@ -144,11 +144,10 @@ def serve(spec: WorkerSpec) -> None:
 
     import torch
 
-    from harness import hygiene, memory
-    from harness.comm import flight as comm_flight
+    from harness import hygiene
     from harness.outcomes import CLEAN_OUTCOMES
     from harness.process.output import end_marker_line
-    from harness.rank_exec import run_task
+    from harness.rank_exec import run_task_in_process
 
     torch.set_num_threads(spec.threads)
     conn = Connection(spec.control_fd)
@@ -162,22 +161,8 @@ def serve(spec: WorkerSpec) -> None:
         if task is None:
             return
         ctx = dataclasses.replace(base_ctx, seed=task.seed)
-        before = hygiene.take_snapshot()
         # harness/comm: this rank's collectives go to a trace file the parent reads on a hang.
-        trace_dir = os.path.dirname(spec.stack_path)
-        with (
-            memory.limited_memory(task.memory_limit),
-            comm_flight.recording(trace_dir, spec.rank, task.task_id),
-        ):
-            result = run_task(task, ctx)
-        if task.memory_limit and memory.looks_like_out_of_memory(
-            result.error_type, result.error_message
-        ):
-            result.note = (
-                f"rank {result.rank} exceeded its memory limit of "
-                f"{memory.format_size(task.memory_limit)}"
-            )
-        result.hygiene = hygiene.clean_up_after_test(before)
+        result = run_task_in_process(task, ctx, trace_dir=os.path.dirname(spec.stack_path))
         sys.stdout.flush()
         sys.stderr.flush()
         os.write(1, end_marker_line(task.task_id))
