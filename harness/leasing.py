@@ -144,6 +144,9 @@ class LeasedPool:
             self._release()
             raise
 
+    def alive(self) -> bool:
+        return self._pool is not None and self._pool.alive()
+
     def run(self, task, deadline: float, peer_grace: float):
         return self._pool.run(task, deadline, peer_grace)
 

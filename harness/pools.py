@@ -29,6 +29,10 @@ class RankPool(Protocol):
 
     def start(self, timeout: float | None = None) -> None: ...
 
+    def alive(self) -> bool:
+        """Whether every rank is still there (a warm pool can lose ranks while idle)."""
+        ...
+
     def run(self, task: RankTask, deadline: float, peer_grace: float) -> RunResult: ...
 
     def close(self, timeout: float = 10.0) -> None: ...
@@ -129,8 +133,12 @@ class PoolManager:
 
     def _acquire(self, key: PoolKey, start_budget: float | None) -> RankPool:
         pool = self._pools.get(key)
-        if pool is not None:
+        if pool is not None and pool.alive():
             return pool
+        if pool is not None:
+            # Its ranks died between tests (killed from outside, or their fork server
+            # went away): not this test's failure, so start a new pool for it.
+            self._discard(key)
         pool = self._factory(key)
         self.spawn_count += 1
         try:

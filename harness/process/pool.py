@@ -139,6 +139,13 @@ class ProcessPool:
             return {"kind": "tcp", "host": "127.0.0.1", "port": port}
         raise ValueError(f"unknown rendezvous {self.spec.rendezvous!r}: use 'file' or 'tcp'")
 
+    def alive(self) -> bool:
+        # An idle rank has nothing to say; a readable control socket means it is gone
+        # (the kernel closed its end), even before its exit status has arrived.
+        return bool(self._ranks) and all(
+            r.popen.poll() is None and not r.conn.poll(0) for r in self._ranks
+        )
+
     @property
     def process_count(self) -> int:
         """How many OS processes the pool runs (one per rank here)."""

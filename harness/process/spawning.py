@@ -107,6 +107,11 @@ class Zygote:
         self._process: subprocess.Popen | None = None
         self._dead = False
 
+    @property
+    def pid(self) -> int | None:
+        """The fork server's process id, if it is running."""
+        return self._process.pid if self._process is not None and not self._dead else None
+
     def _ensure_started(self) -> socket.socket:
         if self._sock is not None and not self._dead:
             return self._sock

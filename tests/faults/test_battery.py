@@ -17,7 +17,7 @@ import pytest
 from harness import Outcome
 from harness.memory import parse_size
 from harness.pools import PoolKey, PoolManager
-from harness.process.spawning import close_shared_zygote
+from harness.process.spawning import shared_zygote
 from harness.pytest_run import make_pool
 from harness.report import render_failure
 from tests.faults import faults
@@ -30,12 +30,20 @@ BACKEND = {"process": "gloo", "thread": "threaded"}
 
 @pytest.fixture(scope="module")
 def battery_pools():
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
     manager = PoolManager(lambda key: make_pool(key, echo=None))
     yield manager
     manager.shutdown()
-    close_shared_zygote()
-    leftover = psutil.Process().children(recursive=True)
-    assert leftover == [], f"the battery left processes behind: {leftover}"
+    # The fork server outlives the battery (the session's own pools use it); everything
+    # the battery started must be gone.
+    zygote = shared_zygote().pid
+    leftover = [
+        p
+        for p in psutil.Process().children(recursive=True)
+        if p.pid not in before and p.pid != zygote
+    ]
+    _gone, alive = psutil.wait_procs(leftover, timeout=10)
+    assert alive == [], f"the battery left processes behind: {alive}"
 
 
 def _cases():

@@ -78,3 +78,17 @@ def test_a_changed_environment_gets_a_new_pool(monkeypatch):
     monkeypatch.setenv("PYTEST_CURRENT_TEST", "something else")
     monkeypatch.delenv("DISTCONFORM_POOL_KEY_PROBE")
     assert env_fingerprint() == before
+
+
+def test_a_pool_whose_ranks_died_while_idle_is_replaced_not_blamed(pools):
+    import os
+    import signal
+    import time
+
+    assert run(pools, rank_bodies.all_reduce_rank_sum).ok
+    for pid in pools._pools[KEY4].pids:
+        os.kill(pid, signal.SIGKILL)
+    time.sleep(0.5)  # let the kernel finish the kill
+    after = run(pools, rank_bodies.all_reduce_rank_sum)
+    assert after.ok and after.values == [10.0] * 4
+    assert pools.spawn_count == 2
