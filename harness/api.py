@@ -48,6 +48,11 @@ def launch(
     """
     world_size = check_world_size(world_size)
     launcher = check_launcher(launcher)
+    if launcher == "external":
+        raise ConfigError(
+            "launch() starts its own ranks; with torchrun, run pytest in every rank with "
+            "--launcher external instead"
+        )
     device_type = check_device_type(device)
     backend = resolve_backend(launcher, backend, device_type)
     available = device_count(device_type)

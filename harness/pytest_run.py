@@ -68,7 +68,10 @@ def make_pool(key: PoolKey, *, echo) -> RankPool:
         from harness.threads.host import ThreadHostPool
 
         return ThreadHostPool(key.world_size, echo=echo)
-    raise pytest.UsageError(f"distconform: the {key.launcher!r} launcher is not available yet")
+    raise ConfigError(
+        f"the {key.launcher!r} launcher does not start ranks: under torchrun, the ranks "
+        f"already exist and each runs pytest with --launcher external"
+    )
 
 
 def configure(config: pytest.Config, settings: DistSettings) -> None:

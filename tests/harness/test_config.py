@@ -73,3 +73,8 @@ def test_launch_rejects_bad_input_without_spawning(monkeypatch, kwargs, message)
     with pytest.raises(ConfigError) as excinfo:
         launch(rank_bodies.all_reduce_rank_sum, **kwargs)
     assert message in str(excinfo.value)
+
+
+def test_launch_cannot_start_an_external_world():
+    with pytest.raises(ConfigError, match="--launcher external"):
+        launch(rank_bodies.all_reduce_rank_sum, 2, launcher="external")
