@@ -14,6 +14,8 @@ def test_live_process_groups_lists_default_and_new_groups(rank_ctx):
     before = _torch_private.live_process_groups()
     assert dist.group.WORLD in before
     subgroup = dist.new_group([0, 1])
+    # Both ranks must finish connecting before either destroys its end of the group.
+    dist.barrier(group=subgroup)
     try:
         assert subgroup in _torch_private.live_process_groups()
         assert subgroup in list(_torch_private.iter_non_default_groups())
