@@ -6,7 +6,7 @@ version it was not audited for, with a message that says what to re-audit; a tes
 ``tests/harness/test_torch_private.py`` exercises every accessor and the refusal.
 
 Nothing else in ``harness/`` may import a private torch module or touch an
-underscore attribute of torch. ``torch.testing._internal`` is never imported.
+underscore attribute of torch. torch's internal testing package is never imported.
 """
 
 from __future__ import annotations

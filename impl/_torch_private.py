@@ -3,7 +3,7 @@
 Each accessor exists because torch 2.13 has no public API for what ``impl/`` needs, checks the
 installed torch version first, and refuses to run on a version nobody audited it on, naming this
 file and what to re-check. Nothing else in ``impl/`` imports a private torch module or reads an
-underscore attribute of a torch object; ``torch.testing._internal`` is never imported.
+underscore attribute of a torch object; torch's internal testing package is never imported.
 
 Mirrors ``harness/_torch_private.py``; the two are separate because ``impl/`` must not depend on
 the harness (it is usable without pytest).

@@ -520,7 +520,7 @@ def register_threaded_backend() -> None:
         if BACKEND_NAME in dist.Backend.backend_list:
             raise RuntimeError(
                 "another 'threaded' c10d backend is already registered in this process "
-                "(torch.testing._internal.distributed.multi_threaded_pg?); it cannot coexist "
+                "(torch's own multi-threaded test process group?); it cannot coexist "
                 "with harness.threads"
             )
         dist.Backend.register_backend(
