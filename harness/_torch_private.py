@@ -90,18 +90,7 @@ _AUDITED_C10D_WORLD_PROPERTIES = frozenset(
     }
 )
 # Stored per thread; ``pg_config_info`` is derived from them by ``_World`` itself.
-_PER_THREAD_WORLD_FIELDS = (
-    "default_pg",
-    "pg_map",
-    "pg_names",
-    "pg_group_ranks",
-    "pg_backend_config",
-    "group_count",
-    "tags_to_pg",
-    "pg_to_tag",
-    "pg_coalesce_state",
-    "comms",
-)
+_PER_THREAD_WORLD_FIELDS = tuple(sorted(_AUDITED_C10D_WORLD_PROPERTIES - {"pg_config_info"}))
 _WRITABLE_WORLD_FIELDS = ("default_pg", "group_count")
 
 

@@ -158,3 +158,16 @@ class Transformer(nn.Module):
             else:
                 h = layer(h)
         return self.output(self.norm(h)).float()
+
+
+class TiedModel(nn.Module):
+    """An embedding and an output projection sharing one weight (weight tying)."""
+
+    def __init__(self, vocab_size: int = 17, dim: int = 16) -> None:
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(vocab_size, dim)
+        self.output = nn.Linear(dim, vocab_size, bias=False)
+        self.output.weight = self.tok_embeddings.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.output(self.tok_embeddings(ids))

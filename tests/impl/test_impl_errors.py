@@ -9,16 +9,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import Shard
 
-
-class TiedModel(nn.Module):
-    def __init__(self, vocab_size: int = 17, dim: int = 16) -> None:
-        super().__init__()
-        self.tok_embeddings = nn.Embedding(vocab_size, dim)
-        self.output = nn.Linear(dim, vocab_size, bias=False)
-        self.output.weight = self.tok_embeddings.weight
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.output(self.tok_embeddings(ids))
+from suites.models import TiedModel
 
 
 @pytest.mark.world_size(2)

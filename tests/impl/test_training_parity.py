@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from harness.parity import ReferenceModel, assert_losses_equal, assert_sharded_parity
-from suites.models import MLP, MLPStack, ModelArgs, Transformer, TransformerBlock
+from suites.models import MLP, MLPStack, ModelArgs, TiedModel, Transformer, TransformerBlock
 from tests.impl.comm_count import count_collectives
 
 STEPS = 10
@@ -341,17 +341,6 @@ def test_replicate_single_group(rank_ctx, impl, lin_shapes):
 
 
 # --- structure ----------------------------------------------------------------------------------
-
-
-class TiedModel(nn.Module):
-    def __init__(self, vocab_size: int, dim: int) -> None:
-        super().__init__()
-        self.tok_embeddings = nn.Embedding(vocab_size, dim)
-        self.output = nn.Linear(dim, vocab_size, bias=False)
-        self.output.weight = self.tok_embeddings.weight
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.output(self.tok_embeddings(ids))
 
 
 @pytest.mark.world_size(4)
