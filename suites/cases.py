@@ -1,0 +1,256 @@
+"""The case table (``suites/cases.toml``) and how it turns into pytest items and skips.
+
+A suite function is tied to one case with ``@conformance("fsdp.parity.single_group")``: the
+decorator marks it with the case's world sizes (one item per size) and with
+``conformance_case``. At collection, ``apply_case_table`` then
+
+* skips, with a reason starting ``CPU:``, the items a CPU run cannot execute (the case's
+  ``cpu`` verdict, or a grid value listed under ``cpu_skip``);
+* skips, with a reason starting ``UNSUPPORTED:``, the items that need a capability the
+  implementation does not declare (``requires``, plus ``param_requires`` for grid values);
+* skips on a launcher the case's ``launchers`` leave out (``LAUNCHER:``);
+* marks ``slow`` every item whose parameter id matches none of the case's ``fast``
+  patterns (no ``fast`` key: every item is in the default run);
+* gives a pool of its own to items that reshard to an int smaller than the world size
+  (torch caches the sub-mesh by value while the harness destroys its groups after a test).
+
+Grid values are matched as ``name=value`` tokens of the item's parameter id, which is why
+suites build their ids with :func:`grid_id`.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import functools
+import tomllib
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+CASES_FILE = Path(__file__).with_name("cases.toml")
+CASE_MARKER = "conformance_case"
+CPU_PREFIX = "CPU:"
+UNSUPPORTED_PREFIX = "UNSUPPORTED:"
+LAUNCHER_PREFIX = "LAUNCHER:"
+LAUNCHERS = frozenset({"process", "thread", "external"})
+
+
+@dataclass(frozen=True)
+class Case:
+    """One row of the case table."""
+
+    case_id: str
+    upstream: str
+    sections: tuple[str, ...]
+    world_sizes: tuple[int, ...]
+    cpu: bool
+    cpu_reason: str
+    requires: tuple[str, ...]
+    param_requires: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    cpu_skip: dict[str, str] = field(default_factory=dict)
+    launchers: frozenset[str] = LAUNCHERS
+    fast: tuple[str, ...] | None = None
+    suite: str = ""
+
+    def missing_capabilities(self, tokens: Iterable[str], declared: frozenset[str]) -> list[str]:
+        needed = list(self.requires)
+        for token in tokens:
+            needed.extend(self.param_requires.get(token, ()))
+        return sorted({cap for cap in needed if cap not in declared})
+
+    def cpu_skip_reason(self, tokens: Iterable[str]) -> str | None:
+        if not self.cpu:
+            return self.cpu_reason
+        for token in tokens:
+            if token in self.cpu_skip:
+                return self.cpu_skip[token]
+        return None
+
+    def is_fast(self, param_id: str, world_size: int | None) -> bool:
+        """Whether the item belongs to the default run.
+
+        Patterns match ``ws<N>-<param id>``; a pattern without a ``ws`` prefix means the
+        case's smallest world size (the larger ones are the slow run's).
+        """
+        if self.fast is None:
+            return True
+        full = f"ws{world_size}-{param_id}" if param_id else f"ws{world_size}"
+        smallest = min(self.world_sizes)
+        for pattern in self.fast:
+            if not pattern.startswith("ws"):
+                pattern = f"ws{smallest}-{pattern}" if pattern else f"ws{smallest}"
+            if fnmatch.fnmatchcase(full, pattern):
+                return True
+        return False
+
+
+def _tuple(value: Any, what: str) -> tuple:
+    if not isinstance(value, list):
+        raise ValueError(f"{what} must be a list, got {value!r}")
+    return tuple(value)
+
+
+def parse_cases(text: str, *, known_capabilities: Iterable[str] | None = None) -> dict[str, Case]:
+    """The cases of a TOML text, validated (unknown keys and capabilities are errors)."""
+    known = frozenset(known_capabilities) if known_capabilities is not None else None
+    allowed_keys = {
+        "upstream",
+        "sections",
+        "world_sizes",
+        "cpu",
+        "cpu_reason",
+        "requires",
+        "param_requires",
+        "cpu_skip",
+        "launchers",
+        "fast",
+        "suite",
+    }
+    raw = tomllib.loads(text).get("case", {})
+    cases: dict[str, Case] = {}
+    for case_id, row in raw.items():
+        unknown = set(row) - allowed_keys
+        if unknown:
+            raise ValueError(f"case {case_id!r}: unknown keys {sorted(unknown)}")
+        cpu = row.get("cpu", True)
+        if not cpu and not str(row.get("cpu_reason", "")).startswith(CPU_PREFIX):
+            raise ValueError(f"case {case_id!r}: cpu = false needs a cpu_reason starting 'CPU:'")
+        param_requires = {k: _tuple(v, f"{case_id}.param_requires") for k, v in
+                          row.get("param_requires", {}).items()}
+        cpu_skip = dict(row.get("cpu_skip", {}))
+        for token, reason in cpu_skip.items():
+            if not reason.startswith(CPU_PREFIX):
+                raise ValueError(f"case {case_id!r}: cpu_skip[{token!r}] must start with 'CPU:'")
+        requires = _tuple(row.get("requires", []), f"{case_id}.requires")
+        if known is not None:
+            named = set(requires).union(*param_requires.values())
+            if named - known:
+                raise ValueError(f"case {case_id!r}: unknown capabilities {sorted(named - known)}")
+        launchers = frozenset(row.get("launchers", sorted(LAUNCHERS)))
+        if launchers - LAUNCHERS:
+            raise ValueError(f"case {case_id!r}: unknown launchers {sorted(launchers - LAUNCHERS)}")
+        fast = row.get("fast")
+        cases[case_id] = Case(
+            case_id=case_id,
+            upstream=row.get("upstream", ""),
+            sections=_tuple(row.get("sections", []), f"{case_id}.sections"),
+            world_sizes=_tuple(row["world_sizes"], f"{case_id}.world_sizes"),
+            cpu=cpu,
+            cpu_reason=row.get("cpu_reason", ""),
+            requires=requires,
+            param_requires=param_requires,
+            cpu_skip=cpu_skip,
+            launchers=launchers,
+            fast=None if fast is None else _tuple(fast, f"{case_id}.fast"),
+            suite=row.get("suite", ""),
+        )
+    return cases
+
+
+@functools.cache
+def load_cases() -> dict[str, Case]:
+    """The project's case table."""
+    from impl.api import KNOWN_CAPABILITIES
+
+    return parse_cases(CASES_FILE.read_text(), known_capabilities=KNOWN_CAPABILITIES)
+
+
+def case(case_id: str) -> Case:
+    try:
+        return load_cases()[case_id]
+    except KeyError:
+        raise KeyError(f"no case {case_id!r} in {CASES_FILE.name}") from None
+
+
+def conformance(case_id: str) -> Callable[[Callable], Callable]:
+    """Tie a suite function to a case: its world sizes and its row of the case table."""
+    row = case(case_id)
+
+    def decorate(fn: Callable) -> Callable:
+        fn = pytest.mark.world_size(*row.world_sizes)(fn)
+        return getattr(pytest.mark, CASE_MARKER)(case_id)(fn)
+
+    return decorate
+
+
+def _format(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:g}"
+    return str(value)
+
+
+def grid_id(**params: Any) -> str:
+    """``name=value`` tokens joined by ``-``, the form the case table matches."""
+    return "-".join(f"{name}={_format(value)}" for name, value in params.items())
+
+
+def grid(**axes: Sequence[Any]) -> list[Any]:
+    """The cartesian product of ``axes`` as ``pytest.param``s with :func:`grid_id` ids.
+
+    Each param carries a dict of its values, so a test takes one ``point`` argument.
+    """
+    points: list[dict[str, Any]] = [{}]
+    for name, values in axes.items():
+        points = [{**point, name: value} for point in points for value in values]
+    return [pytest.param(point, id=grid_id(**point)) for point in points]
+
+
+def param_tokens(item: pytest.Item) -> tuple[str, str]:
+    """The item's parameter id without the world size, and its ``name=value`` tokens."""
+    callspec = getattr(item, "callspec", None)
+    if callspec is None:
+        return "", ()
+    parts = [p for p in callspec.id.split("-") if not (p.startswith("ws") and p[2:].isdigit())]
+    return "-".join(parts), tuple(p for p in parts if "=" in p)
+
+
+def _int_reshard_below_world(item: pytest.Item, world_size: int | None) -> bool:
+    callspec = getattr(item, "callspec", None)
+    if callspec is None or world_size is None:
+        return False
+    for value in callspec.params.values():
+        raf = value.get("raf") if isinstance(value, dict) else None
+        if isinstance(raf, int) and not isinstance(raf, bool) and raf < world_size:
+            return True
+    return False
+
+
+def apply_case_table(
+    items: list[pytest.Item],
+    *,
+    device_type: str,
+    launcher: str,
+    capabilities: frozenset[str],
+    world_size_of: Callable[[pytest.Item], int | None],
+) -> None:
+    """Add the skips, ``slow`` and ``fresh_pool`` marks the case table asks for."""
+    for item in items:
+        marker = item.get_closest_marker(CASE_MARKER)
+        if marker is None:
+            continue
+        row = case(marker.args[0])
+        param_id, tokens = param_tokens(item)
+        if not row.is_fast(param_id, world_size_of(item)):
+            item.add_marker(pytest.mark.slow)
+        if _int_reshard_below_world(item, world_size_of(item)):
+            item.add_marker(pytest.mark.fresh_pool)
+        if device_type == "cpu":
+            reason = row.cpu_skip_reason(tokens)
+            if reason is not None:
+                item.add_marker(pytest.mark.skip(reason=reason))
+                continue
+        missing = row.missing_capabilities(tokens, capabilities)
+        if missing:
+            reason = f"{UNSUPPORTED_PREFIX} needs capability {', '.join(missing)}"
+            item.add_marker(pytest.mark.skip(reason=reason))
+            continue
+        if launcher not in row.launchers:
+            item.add_marker(
+                pytest.mark.skip(
+                    reason=f"{LAUNCHER_PREFIX} case {row.case_id} runs on "
+                    f"{', '.join(sorted(row.launchers))} ranks only"
+                )
+            )

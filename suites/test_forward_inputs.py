@@ -1,0 +1,76 @@
+"""The root moves forward inputs to the device; a root with no inputs works (§2.1, §3.1)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from suites.cases import conformance
+
+
+class ParamlessModule(nn.Module):
+    """Checks inside forward that every input, nested ones too, is on the rank's device."""
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__()
+        self.device = device
+        self.seen: list[torch.device] = []
+
+    def forward(self, x: torch.Tensor, ys: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        for tensor in (x, *ys):
+            self.seen.append(tensor.device)
+            assert tensor.device.type == self.device.type, f"input left on {tensor.device}"
+            if self.device.index is not None:
+                assert tensor.device.index == self.device.index, f"input on {tensor.device}"
+        return x + ys[0] + ys[1]
+
+
+def run_move_forward_input(rank_ctx, distribute) -> None:
+    device = torch.device(rank_ctx.device)
+    model = ParamlessModule(device).to(device)
+    assert distribute(model) is model, "the entry point must return the module it was given"
+    model.to(device)
+    x, ys = torch.randn(3), (torch.randn(3), torch.randn(3))
+    for tensor in (x, *ys):
+        assert tensor.device.type == "cpu"
+    out = model(x, ys)
+    assert len(model.seen) == 3, "forward did not see both the tensor and the nested tuple"
+    assert out.device.type == device.type
+    torch.testing.assert_close(out.cpu(), x + ys[0] + ys[1])
+
+
+@conformance("fsdp.forward_inputs.move_to_device")
+def test_root_move_forward_input_to_device(rank_ctx, impl):
+    run_move_forward_input(rank_ctx, impl.fully_shard)
+
+
+@conformance("replicate.forward_inputs.move_to_device")
+def test_replicate_root_move_forward_input_to_device(rank_ctx, impl):
+    run_move_forward_input(rank_ctx, impl.replicate)
+
+
+class ParameterOnlyModule(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(4, 4))
+
+    def forward(self) -> torch.Tensor:
+        return self.weight @ self.weight
+
+
+@conformance("fsdp.forward_inputs.no_inputs")
+def test_root_no_forward_inputs(rank_ctx, impl):
+    with torch.device(rank_ctx.device):
+        model = ParameterOnlyModule()
+    expected = model.weight.detach() @ model.weight.detach()
+    impl.fully_shard(model)
+    out = model()
+    assert out.shape == (4, 4)
+    torch.testing.assert_close(out.detach(), expected)
+    out.sum().backward()
+    assert isinstance(model.weight.grad, DTensor), "the gradient must be a sharded DTensor"
+    # d(sum(W @ W))/dW = 1 W^T + W^T 1; every rank has the same W, so the average is that.
+    weight = model.weight.full_tensor().detach()
+    ones = torch.ones_like(weight)
+    torch.testing.assert_close(model.weight.grad.full_tensor(), ones @ weight.T + weight.T @ ones)

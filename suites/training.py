@@ -1,0 +1,258 @@
+"""Helpers the suites share: parity training loops, collective counts, checkpointing, delays.
+
+Everything here works through ``impl.api`` objects and public torch APIs only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.utils.checkpoint
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from harness.comm import CommTracer, busy_wait, delay_collectives
+from harness.parity import ReferenceModel, assert_losses_equal, assert_sharded_parity
+from suites.models import ModelArgs, Transformer, TransformerBlock
+
+STEPS = 10
+#: Injected delays: long enough that an unsynchronised consumer of a collective's result
+#: reads stale data, short enough for the slow run (cases.md uses 100 ms on GPU).
+DELAY_S = 0.1
+#: ``Transformer.sum()`` over 3 x 64 x 1024 logits gives gradient entries around 2000 that
+#: cancel to single digits when averaged; a flat group buffer sums in another order than a
+#: per-parameter all-reduce (an ulp of 2048 is 1.2e-4). Still catches a factor of 2.
+SUMMED_LOGITS_GRAD_TOLERANCE = (1e-3, 1e-3)
+CHECKPOINT_WRAPPER_PREFIX = "_checkpoint_wrapped_module."
+
+
+def adam(params) -> torch.optim.Optimizer:
+    return torch.optim.Adam(params, lr=1e-2)
+
+
+def adamw(params) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=1e-2)
+
+
+def zero_grad(optimizer: torch.optim.Optimizer, step: int) -> None:
+    """Alternate set-to-None (even steps) and zeroing (odd), as the upstream loops do."""
+    optimizer.zero_grad(set_to_none=step % 2 == 0)
+
+
+# --- collective counts --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Expected:
+    """Collectives one rank issues in a measured region; every other kind must be absent."""
+
+    all_gather: int = 0
+    reduce_scatter: int = 0
+    all_reduce: int = 0
+
+    @classmethod
+    def sharded(cls, groups: int, resharded_after_forward: int, *, hsdp: bool = False) -> Expected:
+        return cls(
+            all_gather=groups + resharded_after_forward,
+            reduce_scatter=groups,
+            all_reduce=groups if hsdp else 0,
+        )
+
+    def as_counts(self) -> dict[str, int]:
+        counts = {
+            "all_gather": self.all_gather,
+            "reduce_scatter": self.reduce_scatter,
+            "all_reduce": self.all_reduce,
+        }
+        return {kind: n for kind, n in counts.items() if n}
+
+
+@contextlib.contextmanager
+def counting() -> Iterator[CommTracer]:
+    with CommTracer() as trace:
+        yield trace
+
+
+def assert_counts(trace: CommTracer, expected: Expected, context: str) -> None:
+    actual = {kind: n for kind, n in trace.counts("kind").items() if n}
+    assert actual == expected.as_counts(), (
+        f"{context}: collectives {actual}, expected {expected.as_counts()}"
+    )
+
+
+# --- training with parity -----------------------------------------------------------------------
+
+
+def train_with_parity(
+    rank: int,
+    model: nn.Module,
+    distribute: Callable[[nn.Module], object],
+    make_input: Callable[[], torch.Tensor],
+    *,
+    expected: Expected | None = None,
+    loss_fn: Callable[[nn.Module, torch.Tensor], torch.Tensor] = lambda m, x: m(x).sum(),
+    steps: int = STEPS,
+    make_optimizer: Callable = adam,
+    grad_tolerance: tuple[float, float] | None = None,
+    check_grads: bool = True,
+    prefixes_to_ignore: tuple[str, ...] = (),
+    after_forward: Callable[[], None] | None = None,
+    before_step: Callable[[], None] | None = None,
+    seed_offset: int = 1,
+    reference_group=None,
+    model_context: Callable[[], contextlib.AbstractContextManager] | None = None,
+) -> None:
+    """Train ``model`` (distributed by ``distribute``) next to an explicitly averaged copy.
+
+    Losses are compared every step; parameters and gradients are compared shard by shard
+    every step before ``step()`` and after it; collective counts per forward+backward when
+    ``expected`` is given. ``model_context`` wraps the distributed model's forward and
+    backward only (delay injection must not slow the reference's own all-reduces). The reference is copied before ``distribute`` runs, so
+    structural wrappers that ``distribute`` adds show up in ``prefixes_to_ignore``.
+    """
+    reference = ReferenceModel(model, make_optimizer, group=reference_group)
+    distribute(model)
+    optimizer = make_optimizer(model.parameters())
+    assert_sharded_parity(
+        reference.module, model, check_grads=False, prefixes_to_ignore=prefixes_to_ignore
+    )
+    torch.manual_seed(42 + rank + seed_offset)
+    grad_rtol, grad_atol = grad_tolerance or (None, None)
+    for step in range(steps):
+        inp = make_input()
+        with counting() as trace, (model_context or contextlib.nullcontext)():
+            loss = loss_fn(model, inp)
+            if after_forward is not None:
+                after_forward()
+            loss.backward()
+        if before_step is not None:
+            before_step()
+        reference_loss = reference.forward_backward(lambda m, inp=inp: loss_fn(m, inp))
+        assert_losses_equal(step, loss, reference_loss)
+        if expected is not None:
+            assert_counts(trace, expected, f"step {step}")
+        if check_grads:
+            assert_sharded_parity(
+                reference.module,
+                model,
+                rtol=grad_rtol,
+                atol=grad_atol,
+                prefixes_to_ignore=prefixes_to_ignore,
+            )
+        optimizer.step()
+        zero_grad(optimizer, step)
+        reference.optimizer.step()
+        zero_grad(reference.optimizer, step)
+        # The parameters moved: a zero_grad-before-step quirk (cases.md §3) would not.
+        assert_sharded_parity(
+            reference.module, model, check_grads=False, prefixes_to_ignore=prefixes_to_ignore
+        )
+
+
+def transformer(n_layers: int = 3, **overrides) -> Transformer:
+    """The multi-group Transformer of cases.md §2.4 (vocab 1024, seq 64, no dropout)."""
+    args = dict(n_layers=n_layers, n_heads=4, vocab_size=1024, max_seq_len=64, dropout_p=0.0)
+    args.update(overrides)
+    return Transformer(ModelArgs(**args))
+
+
+def transformer_tokens() -> torch.Tensor:
+    return torch.randint(0, 1024, (3, 64))
+
+
+def blocks(model: nn.Module) -> list[nn.Module]:
+    return [m for m in model.modules() if isinstance(m, TransformerBlock)]
+
+
+def full_tensors(module: nn.Module) -> list[torch.Tensor]:
+    return [p.full_tensor() if isinstance(p, DTensor) else p.detach() for p in module.parameters()]
+
+
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+# --- activation checkpointing, in three forms (cases.md §2.5) -----------------------------------
+
+
+def checkpoint_in_place(module: nn.Module) -> nn.Module:
+    """Recompute ``module``'s forward in backward, keeping its class and parameter names.
+
+    The role of the composable ``checkpoint(module)``: the instance's ``forward`` runs under
+    ``torch.utils.checkpoint`` (non-reentrant), and hooks registered on the module later (by
+    ``fully_shard``) still run around it.
+    """
+    original = module.forward
+
+    @functools.wraps(original)
+    def forward(*args, **kwargs):
+        return torch.utils.checkpoint.checkpoint(original, *args, use_reentrant=False, **kwargs)
+
+    module.forward = forward
+    return module
+
+
+class CheckpointWrapper(nn.Module):
+    """A module wrapper whose child is recomputed in backward; names gain a prefix."""
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        self._checkpoint_wrapped_module = module
+
+    def forward(self, *args, **kwargs):
+        return torch.utils.checkpoint.checkpoint(
+            self._checkpoint_wrapped_module, *args, use_reentrant=False, **kwargs
+        )
+
+
+def wrap_blocks_with_checkpoint(model: nn.Module) -> None:
+    """Replace every TransformerBlock in a ``layers`` ModuleList by a CheckpointWrapper."""
+    layers = model.layers
+    for index, layer in enumerate(layers):
+        layers[index] = CheckpointWrapper(layer)
+
+
+# --- delays (cases.md §2.4 multi-group) ---------------------------------------------------------
+
+DELAYS = ("after_forward", "before_all_gather", "before_reduce_scatter", "before_optim")
+
+
+def delay_sets() -> list[tuple[str, ...]]:
+    """No delay, each delay alone, all four (upstream skips 2 or 3 delays at once)."""
+    return [(), *((d,) for d in DELAYS), DELAYS]
+
+
+def delay_id(delays: tuple[str, ...]) -> str:
+    if not delays:
+        return "none"
+    return "all" if len(delays) == len(DELAYS) else delays[0]
+
+
+def collective_delays(
+    delays: tuple[str, ...], *, replicate: bool = False
+) -> Callable[[], contextlib.AbstractContextManager]:
+    """A context factory delaying the chosen collectives of the distributed model.
+
+    ``replicate`` issues no all-gather and reduces with all-reduce: there the
+    reduce-scatter delay applies to the all-reduce (what the upstream patch meant to slow).
+    """
+    gradient_kind = "all_reduce" if replicate else "reduce_scatter"
+
+    @contextlib.contextmanager
+    def delayed() -> Iterator[None]:
+        with contextlib.ExitStack() as stack:
+            if "before_all_gather" in delays:
+                stack.enter_context(delay_collectives(DELAY_S, kinds=("all_gather",)))
+            if "before_reduce_scatter" in delays:
+                stack.enter_context(delay_collectives(DELAY_S, kinds=(gradient_kind,)))
+            yield
+
+    return delayed
+
+
+def host_delay(enabled: bool) -> Callable[[], None] | None:
+    return (lambda: busy_wait(DELAY_S)) if enabled else None
