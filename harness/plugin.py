@@ -112,8 +112,26 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         default=False,
         help="print a per-rank outcome table of every distributed test at the end",
     )
+    group.addoption(
+        "--backend-plugin",
+        action="append",
+        default=[],
+        metavar="MODULE",
+        help="import MODULE in pytest and in every rank before the process group starts "
+        "(a vendor's Backend.register_backend); repeatable",
+    )
+    from harness.conformance import plugin as conformance_plugin
+
+    conformance_plugin.add_options(parser)
     parser.addini("dist_deadline", "default per-test deadline in seconds", default="")
     parser.addini("dist_launcher", "default launcher", default="process")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_cmdline_main(config: pytest.Config) -> None:
+    from harness.conformance import plugin as conformance_plugin
+
+    conformance_plugin.before_configure(config)
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -126,6 +144,14 @@ def pytest_addhooks(pluginmanager: pytest.PytestPluginManager) -> None:
 def pytest_configure(config: pytest.Config) -> None:
     for line in _MARKERS:
         config.addinivalue_line("markers", line)
+    from harness.conformance import backend_plugins
+    from harness.conformance import plugin as conformance_plugin
+
+    try:
+        backend_plugins.activate(config.getoption("backend_plugin"))
+    except backend_plugins.BackendPluginError as exc:
+        raise pytest.UsageError(f"distconform: {exc}") from None
+    conformance_plugin.register(config)
     try:
         settings = _settings_from(config)
     except ConfigError as exc:

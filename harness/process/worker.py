@@ -181,6 +181,10 @@ def main(argv: list[str]) -> None:
     for entry in reversed(spec.sys_path):
         if entry not in sys.path:
             sys.path.insert(0, entry)
+    # A vendor's backend registration must happen before this rank's init_process_group.
+    from harness.conformance.backend_plugins import import_from_environment
+
+    import_from_environment()
     if spec.launcher == "thread":
         from harness.threads.host import serve_thread_host
 

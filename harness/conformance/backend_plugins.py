@@ -1,0 +1,48 @@
+"""``--backend-plugin MODULE``: a vendor's module that registers a c10d backend.
+
+The parent imports each module (so ``--backend NAME`` resolves) and records the list in
+:data:`ENV_VAR`. Ranks inherit the environment, and every rank entry point calls
+:func:`import_from_environment` before ``init_process_group``, so a module that calls
+``torch.distributed.Backend.register_backend`` takes effect in each rank. Because the
+variable is part of the environment, it is part of every pool key's fingerprint: a pool
+started without the plug-in is never reused for a run that needs it.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from collections.abc import Iterable
+
+ENV_VAR = "DISTCONFORM_BACKEND_PLUGINS"
+
+
+class BackendPluginError(ImportError):
+    """A ``--backend-plugin`` module could not be imported."""
+
+
+def import_plugins(modules: Iterable[str]) -> list[str]:
+    """Import every module named; return their names. Raises BackendPluginError."""
+    names = [name.strip() for name in modules if name and name.strip()]
+    for name in names:
+        try:
+            importlib.import_module(name)
+        except ImportError as exc:
+            raise BackendPluginError(
+                f"--backend-plugin {name}: cannot import it ({exc}); is it installed or on "
+                f"PYTHONPATH?"
+            ) from exc
+    return names
+
+
+def activate(modules: Iterable[str]) -> list[str]:
+    """Import the plug-ins here and publish them to every rank started from now on."""
+    names = import_plugins(modules)
+    if names:
+        os.environ[ENV_VAR] = ",".join(names)
+    return names
+
+
+def import_from_environment() -> list[str]:
+    """In a rank, before the process group starts: import the parent's plug-ins."""
+    return import_plugins(os.environ.get(ENV_VAR, "").split(","))

@@ -1,0 +1,80 @@
+"""``python -m harness conformance``: run the suites in-process and print the report.
+
+Everything after the known options goes to pytest unchanged (``-k``, ``-x``, paths...).
+Without paths it runs the bundled ``suites`` package. Without ``--quick`` it runs every
+case, the ``slow`` ones included; ``--quick`` keeps the project's default selection.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+DEFAULT_OUT = "conformance-report"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m harness conformance",
+        description="Run the conformance suites against an implementation and report "
+        "PASS / FAIL / XFAIL / XPASS / UNSUPPORTED / SKIP per feature and world size. "
+        "Unknown arguments are passed to pytest.",
+    )
+    parser.add_argument("--impl", help="reference, torch or package.module[:factory]")
+    parser.add_argument("--backend", help="process-group backend (default: the device's)")
+    parser.add_argument("--device", help="device type (default: cpu)")
+    parser.add_argument("--launcher", help="process (default), thread or external")
+    parser.add_argument("--world-sizes", metavar="N[,N...]", help="run only these world sizes")
+    parser.add_argument(
+        "--out", default=DEFAULT_OUT, help=f"report directory (default: {DEFAULT_OUT})"
+    )
+    parser.add_argument("--expectations", metavar="FILE", help="expectations file (TOML)")
+    parser.add_argument(
+        "--backend-plugin",
+        action="append",
+        default=[],
+        metavar="MODULE",
+        help="module that registers a c10d backend; imported in every rank (repeatable)",
+    )
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="only the default (non-slow) subset of the cases",
+    )
+    return parser
+
+
+def pytest_args(argv: list[str]) -> list[str]:
+    """The pytest command line a conformance invocation stands for."""
+    options, rest = build_parser().parse_known_args(argv)
+    # ``python -m harness`` imported the harness before pytest could rewrite its asserts;
+    # the harness's own asserts are not test assertions, so the warning is noise.
+    args = [
+        "-W",
+        "ignore:Module already imported so cannot be rewritten:pytest.PytestAssertRewriteWarning",
+    ]
+    for name in ("impl", "backend", "device", "launcher", "world_sizes", "expectations"):
+        value = getattr(options, name)
+        if value is not None:
+            args += [f"--{name.replace('_', '-')}", value]
+    for module in options.backend_plugin:
+        args += ["--backend-plugin", module]
+    args += ["--conformance-out", options.out]
+    args += ["--junitxml", str(Path(options.out) / "conformance.junit.xml")]
+    if not options.quick:
+        args += ["-m", "slow or not slow"]
+    if not any(not arg.startswith("-") and Path(arg.split("::")[0]).exists() for arg in rest):
+        args.append(str(_suites_dir()))
+    return args + rest
+
+
+def _suites_dir() -> Path:
+    import suites
+
+    return Path(suites.__file__).parent
+
+
+def main(argv: list[str]) -> int:
+    import pytest
+
+    return int(pytest.main(pytest_args(argv)))

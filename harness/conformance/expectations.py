@@ -1,0 +1,184 @@
+"""Expectations of one implementation: known failures and tolerance overrides (TOML).
+
+A file lives with whoever maintains the implementation (``suites/expectations/torch.toml``
+for torch's own ``fully_shard``; a vendor keeps theirs in their repository and passes
+``--expectations FILE``)::
+
+    [[xfail]]
+    id = "suites/test_x.py::test_y[ws2-*"       # a test-id pattern (see ``matches``)
+    reason = "what differs, with the evidence"
+    category = "NUMERICS"                      # NOT_SUPPORTED, NUMERICS, COMM, ERROR_MESSAGE, OTHER
+    link = "https://github.com/pytorch/pytorch/issues/..."
+
+    [[tolerance]]                              # loosen a comparison instead of giving up on it
+    id = "suites/test_x.py::test_z"
+    rtol = 1e-4
+    atol = 1e-5
+    reason = "why the default is too tight for this implementation"
+
+An xfail entry adds a non-strict ``xfail`` marker at collection: the test still runs, a
+failure is XFAIL and a pass is XPASS (the entry is out of date). Tolerances are never
+xfails: a test asks for its tolerance through ``suites.expectations_helpers`` (the
+``conformance_tolerance`` fixture) and keeps asserting with it.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+CATEGORIES = ("NOT_SUPPORTED", "NUMERICS", "COMM", "ERROR_MESSAGE", "OTHER")
+_GLOB_CHARS = frozenset("*?[")
+
+
+class ExpectationsError(ValueError):
+    """An expectations file is malformed; the message names the file and the entry."""
+
+
+def matches(pattern: str, nodeid: str) -> bool:
+    """Whether a test-id pattern selects ``nodeid``.
+
+    A pattern is a glob over the whole id (``*`` also crosses ``/`` and ``::``), or, without
+    glob characters, the exact id or a prefix of it ending where the id continues with
+    ``::`` (a file or class) or ``[`` (every parametrization of one test). The prefix rule
+    means ``suites/test_x.py::test_y`` selects ``test_y[ws2]`` and ``test_y[ws4]``; a
+    literal ``[`` is written ``[[]`` as in any glob.
+    """
+    if _GLOB_CHARS & set(pattern):
+        return fnmatch.fnmatchcase(nodeid, pattern)
+    if nodeid == pattern:
+        return True
+    return nodeid.startswith(pattern) and nodeid[len(pattern) :].startswith(("::", "["))
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One ``[[xfail]]`` or ``[[tolerance]]`` table of a file."""
+
+    kind: str  # "xfail" or "tolerance"
+    pattern: str
+    reason: str
+    source: Path
+    line: int
+    category: str = "OTHER"
+    link: str = ""
+    rtol: float | None = None
+    atol: float | None = None
+
+    def matches(self, nodeid: str) -> bool:
+        return matches(self.pattern, nodeid)
+
+    @property
+    def file_part(self) -> str:
+        """The id's path part (before ``::``), for deciding whether an entry is stale."""
+        return self.pattern.split("::", 1)[0]
+
+    def describe(self) -> str:
+        return f"{self.source}:{self.line}: {self.kind} entry {self.pattern!r}"
+
+    def xfail_reason(self) -> str:
+        text = f"[{self.category}] {self.reason}"
+        return f"{text} ({self.link})" if self.link else text
+
+
+@dataclass
+class Expectations:
+    """Every entry of one file, in file order."""
+
+    source: Path | None = None
+    xfails: list[Entry] = field(default_factory=list)
+    tolerances: list[Entry] = field(default_factory=list)
+
+    @property
+    def entries(self) -> list[Entry]:
+        return [*self.xfails, *self.tolerances]
+
+    def xfail_for(self, nodeid: str) -> Entry | None:
+        """The first xfail entry selecting ``nodeid`` (file order decides)."""
+        return next((entry for entry in self.xfails if entry.matches(nodeid)), None)
+
+    def tolerance_for(self, nodeid: str) -> Entry | None:
+        """The last tolerance entry selecting ``nodeid``: a later, narrower entry wins."""
+        found = [entry for entry in self.tolerances if entry.matches(nodeid)]
+        return found[-1] if found else None
+
+
+def load(path: str | Path) -> Expectations:
+    """Parse ``path``; raises ExpectationsError naming the file and the bad entry."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ExpectationsError(f"expectations file {path}: {exc.strerror or exc}") from None
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ExpectationsError(f"expectations file {path}: {exc}") from None
+    unknown = set(data) - {"xfail", "tolerance"}
+    if unknown:
+        raise ExpectationsError(
+            f"expectations file {path}: unknown table(s) {sorted(unknown)}; "
+            f"expected [[xfail]] and [[tolerance]]"
+        )
+    lines = text.splitlines()
+    found = Expectations(source=path)
+    for kind, target in (("xfail", found.xfails), ("tolerance", found.tolerances)):
+        tables = data.get(kind, [])
+        if not isinstance(tables, list):
+            raise ExpectationsError(f"expectations file {path}: write [[{kind}]], not [{kind}]")
+        for index, table in enumerate(tables):
+            target.append(_entry(kind, index, table, path, lines))
+    return found
+
+
+def _entry(kind: str, index: int, table: dict, path: Path, lines: list[str]) -> Entry:
+    where = f"expectations file {path}, [[{kind}]] #{index + 1}"
+    pattern = table.get("id")
+    if not isinstance(pattern, str) or not pattern:
+        raise ExpectationsError(f'{where}: needs id = "<test-id pattern>"')
+    reason = table.get("reason")
+    if not isinstance(reason, str) or not reason.strip():
+        raise ExpectationsError(f"{where} ({pattern}): needs a reason")
+    line = _line_of(pattern, lines)
+    if kind == "xfail":
+        allowed = {"id", "reason", "category", "link"}
+        category = table.get("category", "OTHER")
+        if category not in CATEGORIES:
+            raise ExpectationsError(
+                f"{where} ({pattern}): category {category!r} is not one of {', '.join(CATEGORIES)}"
+            )
+        _no_extra_keys(table, allowed, where, pattern)
+        return Entry(kind, pattern, reason, path, line, category, str(table.get("link", "")))
+    _no_extra_keys(table, {"id", "reason", "rtol", "atol", "link"}, where, pattern)
+    rtol, atol = table.get("rtol"), table.get("atol")
+    if rtol is None and atol is None:
+        raise ExpectationsError(f"{where} ({pattern}): give rtol, atol or both")
+    for name, value in (("rtol", rtol), ("atol", atol)):
+        if value is not None and (not isinstance(value, int | float) or value < 0):
+            raise ExpectationsError(f"{where} ({pattern}): {name} must be a number >= 0")
+    return Entry(
+        kind,
+        pattern,
+        reason,
+        path,
+        line,
+        link=str(table.get("link", "")),
+        rtol=None if rtol is None else float(rtol),
+        atol=None if atol is None else float(atol),
+    )
+
+
+def _no_extra_keys(table: dict, allowed: set[str], where: str, pattern: str) -> None:
+    extra = set(table) - allowed
+    if extra:
+        raise ExpectationsError(f"{where} ({pattern}): unknown key(s) {sorted(extra)}")
+
+
+def _line_of(pattern: str, lines: list[str]) -> int:
+    """The line that writes ``id = "<pattern>"`` (1-based; 1 when it cannot be found)."""
+    for number, text in enumerate(lines, start=1):
+        if text.lstrip().startswith("id") and pattern in text:
+            return number
+    return 1

@@ -1,0 +1,206 @@
+"""pytest side of conformance runs: expectations at collection, the report at the end.
+
+Registered by :mod:`harness.plugin` for every session. Expectations are applied whenever a
+file is named (``--expectations``) or the implementation under test has one in
+``suites/expectations/<spec>.toml``; the report is written and printed with
+``--conformance-out DIR`` (or ``--conformance-table`` to only print it). The report is
+built from pytest's own ``TestReport`` objects, so it covers whatever was collected.
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+
+from harness.conformance import report as conformance_report
+from harness.conformance.expectations import Entry, Expectations, ExpectationsError, load
+from harness.conformance.tolerance import Tolerance
+
+PLUGIN_NAME = "distconform-conformance"
+JUNIT_NAME = "conformance.junit.xml"
+
+
+class StaleExpectationWarning(pytest.PytestWarning):
+    """An expectations entry selects no collected test: it is out of date or misspelt."""
+
+
+def add_options(parser: pytest.Parser) -> None:
+    group = parser.getgroup("distconform-conformance", "conformance report (distconform)")
+    group.addoption(
+        "--conformance-out",
+        default=None,
+        metavar="DIR",
+        help="write the conformance report to DIR (conformance.json, conformance.md, "
+        f"{JUNIT_NAME}) and print its table",
+    )
+    group.addoption(
+        "--conformance-table",
+        action="store_true",
+        default=False,
+        help="print the conformance table at the end (implied by --conformance-out)",
+    )
+    group.addoption(
+        "--expectations",
+        default=None,
+        metavar="FILE",
+        help="expected failures and tolerance overrides of the implementation under test "
+        "(TOML; default: suites/expectations/<impl>.toml when it exists)",
+    )
+
+
+def before_configure(config: pytest.Config) -> None:
+    """With --conformance-out and no --junitxml, let pytest write the JUnit file there."""
+    out = config.getoption("conformance_out", None)
+    if out and not getattr(config.option, "xmlpath", None):
+        config.option.xmlpath = str(Path(out) / JUNIT_NAME)
+
+
+def register(config: pytest.Config) -> None:
+    if config.pluginmanager.has_plugin(PLUGIN_NAME):
+        return
+    try:
+        plugin = ConformancePlugin(config)
+    except ExpectationsError as exc:
+        raise pytest.UsageError(f"distconform: {exc}") from None
+    config.pluginmanager.register(plugin, PLUGIN_NAME)
+    # The module itself carries the ``conformance_tolerance`` fixture.
+    config.pluginmanager.register(sys.modules[__name__], f"{PLUGIN_NAME}-fixtures")
+
+
+def implementation_spec(config: pytest.Config) -> str | None:
+    """The ``--impl`` spec when the suites' plugin is active, else None."""
+    try:
+        spec = config.getoption("impl")
+    except ValueError:
+        return None
+    if spec:
+        return spec
+    from impl.api import default_spec
+
+    return default_spec()
+
+
+def default_expectations_path(spec: str | None) -> Path | None:
+    """``suites/expectations/<spec>.toml`` for a built-in implementation, if it exists."""
+    if not spec or not spec.isidentifier():
+        return None
+    try:
+        import suites
+    except ImportError:
+        return None
+    path = Path(suites.__file__).parent / "expectations" / f"{spec}.toml"
+    return path if path.is_file() else None
+
+
+class ConformancePlugin:
+    def __init__(self, config: pytest.Config) -> None:
+        self.config = config
+        self.spec = implementation_spec(config)
+        named = config.getoption("expectations")
+        path = Path(named) if named else default_expectations_path(self.spec)
+        self.expectations = load(path) if path is not None else Expectations()
+        out = config.getoption("conformance_out")
+        self.out_dir = Path(out) if out else None
+        self.reporting = self.out_dir is not None or config.getoption("conformance_table")
+        self.recorder = conformance_report.Recorder()
+        self.stale: list[Entry] = []
+        self.report: conformance_report.ConformanceReport | None = None
+
+    def pytest_configure(self, config: pytest.Config) -> None:
+        config.addinivalue_line(
+            "markers",
+            "feature(name): the conformance report's feature for this test "
+            "(default: its module name without test_)",
+        )
+
+    def pytest_distconform_reproducer_args(self, config: pytest.Config) -> list[str]:
+        args: list[str] = []
+        for module in config.getoption("backend_plugin"):
+            args += ["--backend-plugin", module]
+        if config.getoption("expectations"):
+            args += ["--expectations", config.getoption("expectations")]
+        return args
+
+    # --- collection ----------------------------------------------------------------------
+
+    @pytest.hookimpl(wrapper=True, tryfirst=True)
+    def pytest_collection_modifyitems(self, config: pytest.Config, items: list[pytest.Item]):
+        # Before any deselection: staleness is judged against everything collected.
+        collected_files = {item.nodeid.split("::", 1)[0] for item in items}
+        used: set[int] = set()
+        for item in items:
+            self.recorder.describe_item(item)
+            entry = self.expectations.xfail_for(item.nodeid)
+            if entry is not None:
+                used.add(id(entry))
+                item.add_marker(pytest.mark.xfail(reason=entry.xfail_reason(), strict=False))
+                self.recorder.expect(item.nodeid, entry)
+            tolerance = self.expectations.tolerance_for(item.nodeid)
+            if tolerance is not None:
+                used.add(id(tolerance))
+                item.stash[TOLERANCE_KEY] = Tolerance(
+                    tolerance.rtol, tolerance.atol, tolerance.reason, str(tolerance.source)
+                )
+        for entry in self.expectations.entries:
+            if id(entry) not in used and _could_have_matched(entry, collected_files, config):
+                self.stale.append(entry)
+                warnings.warn_explicit(
+                    StaleExpectationWarning(
+                        f"{entry.describe()} selects no collected test (stale or misspelt); "
+                        f"reason was: {entry.reason}"
+                    ),
+                    StaleExpectationWarning,
+                    filename=str(entry.source),
+                    lineno=entry.line,
+                )
+        return (yield)
+
+    # --- results -------------------------------------------------------------------------
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        self.recorder.add(report)
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_sessionfinish(self, session: pytest.Session) -> None:
+        if not self.reporting:
+            return
+        environment = conformance_report.environment_of(self.config, self.spec, self.expectations)
+        self.report = self.recorder.build(environment, self.stale)
+        if self.out_dir is not None:
+            junit = getattr(self.config.option, "xmlpath", None)
+            self.report.write(self.out_dir, junit_path=junit)
+
+    def pytest_terminal_summary(self, terminalreporter) -> None:
+        if self.report is None:
+            return
+        terminalreporter.write_sep("=", "conformance")
+        for line in self.report.terminal_lines():
+            terminalreporter.write_line(line)
+        if self.out_dir is not None:
+            terminalreporter.write_line(f"report written to {self.out_dir}")
+
+
+def _could_have_matched(entry: Entry, collected_files: set[str], config: pytest.Config) -> bool:
+    """Whether an unused entry is worth a warning in this run.
+
+    Running a subset of the suites must not flag entries for files that were simply not
+    collected; an entry whose file was collected, or names no file at all, is stale.
+    """
+    file_part = entry.file_part
+    if any(ch in file_part for ch in "*?["):
+        return True
+    if file_part in collected_files:
+        return True
+    return not (config.rootpath / file_part).exists()
+
+
+TOLERANCE_KEY = pytest.StashKey[Tolerance]()
+
+
+@pytest.fixture
+def conformance_tolerance(request: pytest.FixtureRequest) -> Tolerance:
+    """This test's tolerance override from the expectations file (empty when none)."""
+    return request.node.stash.get(TOLERANCE_KEY, Tolerance())
