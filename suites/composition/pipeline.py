@@ -1,0 +1,335 @@
+"""Pipeline pieces shared by the composition suites (cases.md §4).
+
+The models are the catalogue's ``MLPModule`` / ``MLPModuleEven``, stacked as a ``ModuleDict``
+keyed ``"0".."N-1"``; a stage holds a ``LayerChunk`` that keeps those keys, so every parameter
+keeps its original FQN (``layers.3.net1.weight``) whether it lives in the full model or in a
+stage. That is what lets gradients be compared by name with a single-process reference and a
+stage checkpoint be loaded into the whole model.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+    ScheduleLoopedBFS,
+)
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from harness.parity import compare_tensors
+
+SCHEDULES: dict[str, type] = {
+    "GPipe": ScheduleGPipe,
+    "1F1B": Schedule1F1B,
+    "Interleaved1F1B": ScheduleInterleaved1F1B,
+    "LoopedBFS": ScheduleLoopedBFS,
+    "InterleavedZeroBubble": ScheduleInterleavedZeroBubble,
+}
+#: Schedules that take one stage per rank; the others take two (virtual stages).
+SINGLE_STAGE_SCHEDULES = frozenset({"GPipe", "1F1B"})
+
+
+class MLPModule(nn.Module):
+    """``net2(relu(net1(x)))``, both ``Linear(dim, dim)``."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.net1 = nn.Linear(dim, dim)
+        self.relu = nn.ReLU()
+        self.net2 = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net2(self.relu(self.net1(x)))
+
+
+class MLPModuleEven(nn.Module):
+    """``dim -> dim -> dim -> 2*dim`` with a ReLU after each; under the TP plan of §4.2 the
+    column-parallel ``net3`` leaves a local ``dim``-wide output for the next layer."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.net1 = nn.Linear(dim, dim)
+        self.net2 = nn.Linear(dim, dim)
+        self.net3 = nn.Linear(dim, dim * 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.relu(self.net1(x))
+        x = torch.relu(self.net2(x))
+        return torch.relu(self.net3(x))
+
+
+class LayerChunk(nn.Module):
+    """Some layers of a stack, run in order, under their original keys."""
+
+    def __init__(self, layers: nn.ModuleDict, indices: Iterable[int]) -> None:
+        super().__init__()
+        self.layers = nn.ModuleDict({str(i): layers[str(i)] for i in indices})
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers.values():
+            x = layer(x)
+        return x
+
+
+def layer_stack(make_layer: Callable[[], nn.Module], n_layers: int) -> nn.ModuleDict:
+    return nn.ModuleDict({str(i): make_layer() for i in range(n_layers)})
+
+
+def whole_model(layers: nn.ModuleDict) -> LayerChunk:
+    return LayerChunk(layers, range(len(layers)))
+
+
+def squared_error(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Summed squared error: the loss every pipeline case uses (a sum, like the catalogue's
+    ``y.sum()``, but with the target in it so that the labels' transport is checked too)."""
+    return (output - target).pow(2).sum()
+
+
+@dataclass(frozen=True)
+class PipelineLayout:
+    """Which stages (and so which layers) a pipeline rank holds."""
+
+    schedule: str
+    pp_rank: int
+    pp_size: int
+    n_layers: int
+
+    @property
+    def stages_per_rank(self) -> int:
+        return 1 if self.schedule in SINGLE_STAGE_SCHEDULES else 2
+
+    @property
+    def num_stages(self) -> int:
+        return self.pp_size * self.stages_per_rank
+
+    @property
+    def layers_per_stage(self) -> int:
+        if self.n_layers % self.num_stages:
+            raise ValueError(f"{self.n_layers} layers do not split into {self.num_stages} stages")
+        return self.n_layers // self.num_stages
+
+    def stage_indices(self) -> list[int]:
+        # Looped placement: rank r holds stages r, r + pp, r + 2 pp, ...
+        return [self.pp_rank + self.pp_size * i for i in range(self.stages_per_rank)]
+
+    def layer_indices(self, stage_index: int) -> range:
+        start = stage_index * self.layers_per_stage
+        return range(start, start + self.layers_per_stage)
+
+    @property
+    def is_first_rank(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_rank(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
+
+
+@dataclass
+class Pipeline:
+    """This rank's stages, their chunks and the schedule that drives them."""
+
+    layout: PipelineLayout
+    chunks: list[LayerChunk]
+    stages: list[PipelineStage]
+    schedule: object
+
+    def step(self, inputs: torch.Tensor, labels: torch.Tensor) -> list[torch.Tensor]:
+        """One schedule step; returns the per-microbatch losses on the last rank, else []."""
+        losses: list[torch.Tensor] = []
+        if self.layout.is_first_rank:
+            self.schedule.step(inputs)
+        elif self.layout.is_last_rank:
+            self.schedule.step(target=labels, losses=losses)
+        else:
+            self.schedule.step()
+        return losses
+
+    def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        return [item for chunk in self.chunks for item in chunk.named_parameters()]
+
+
+def build_pipeline(
+    layers: nn.ModuleDict,
+    layout: PipelineLayout,
+    *,
+    distribute: Callable[[LayerChunk], None],
+    pp_group: dist.ProcessGroup,
+    device: torch.device,
+    n_microbatches: int,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = squared_error,
+) -> Pipeline:
+    """Cut ``layers`` into this rank's stages, apply ``distribute`` to each, and schedule them
+    with ``scale_grads=False`` (gradients are the sum over microbatches)."""
+    chunks: list[LayerChunk] = []
+    stages: list[PipelineStage] = []
+    for stage_index in layout.stage_indices():
+        chunk = LayerChunk(layers, layout.layer_indices(stage_index)).to(device)
+        distribute(chunk)
+        chunks.append(chunk)
+        stages.append(
+            PipelineStage(chunk, stage_index, layout.num_stages, device, group=pp_group)
+        )
+    schedule_class = SCHEDULES[layout.schedule]
+    stage_arg = stages[0] if layout.schedule in SINGLE_STAGE_SCHEDULES else stages
+    schedule = schedule_class(
+        stage_arg, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False
+    )
+    return Pipeline(layout, chunks, stages, schedule)
+
+
+# --- the single-process reference -------------------------------------------------------------
+
+
+@dataclass
+class MicrobatchReference:
+    """The whole model on one rank, replaying every data-parallel replica's microbatches.
+
+    ``run(batches)`` takes one ``(inputs, labels)`` per replica, runs each microbatch forward
+    and backward on a copy cast to ``compute_dtype`` (what a mixed-precision all-gather gives
+    the stage), sums the per-microbatch gradients in fp32 (``scale_grads=False``), divides by
+    the number of replicas (the data-parallel average) and returns each replica's
+    per-microbatch losses.
+    """
+
+    model: nn.Module
+    n_microbatches: int
+    compute_dtype: torch.dtype = torch.float32
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = squared_error
+    losses: list[list[torch.Tensor]] = field(default_factory=list)
+
+    def run(self, batches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> list[list[torch.Tensor]]:
+        compute = copy.deepcopy(self.model).to(self.compute_dtype)
+        summed = {name: torch.zeros_like(p) for name, p in self.model.named_parameters()}
+        losses: list[list[torch.Tensor]] = []
+        for inputs, labels in batches:
+            replica_losses = []
+            for x, y in zip(
+                inputs.chunk(self.n_microbatches), labels.chunk(self.n_microbatches), strict=True
+            ):
+                compute.zero_grad(set_to_none=True)
+                loss = self.loss_fn(compute(x), y)
+                loss.backward()
+                replica_losses.append(loss.detach())
+                for name, p in compute.named_parameters():
+                    if p.grad is not None:
+                        summed[name] += p.grad.to(summed[name].dtype)
+            losses.append(replica_losses)
+        for name, p in self.model.named_parameters():
+            p.grad = summed[name] / len(batches)
+        return losses
+
+
+def replica_batches(
+    step: int, replicas: int, rows: int, dim: int, dtype: torch.dtype
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Different inputs and labels for every data-parallel replica, the same on every rank
+    (so the tensor-parallel ranks of a replica agree, and each rank can replay all replicas)."""
+    generator = torch.Generator().manual_seed(1000 + step)
+    return [
+        (
+            torch.rand(rows, dim, generator=generator).to(dtype),
+            torch.rand(rows, dim, generator=generator).to(dtype),
+        )
+        for _ in range(replicas)
+    ]
+
+
+def local_shard(reference: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``reference`` cut as ``like`` is (its local shard); no communication."""
+    if not isinstance(like, DTensor):
+        return reference.detach()
+    return distribute_tensor(
+        reference.detach(), like.device_mesh, like.placements, src_data_rank=None
+    ).to_local()
+
+
+def gradient_mismatches(
+    named_parameters: Iterable[tuple[str, nn.Parameter]],
+    reference: nn.Module,
+    *,
+    rtol: float | None = None,
+    atol: float | None = None,
+) -> list[str]:
+    """One line per stage parameter whose gradient differs from the reference's (by FQN)."""
+    problems: list[str] = []
+    count = 0
+    for name, param in named_parameters:
+        count += 1
+        ref_param = reference.get_parameter(name)
+        if param.grad is None or ref_param.grad is None:
+            if (param.grad is None) != (ref_param.grad is None):
+                problems.append(f"gradient of {name!r}: stage has {param.grad is not None}, "
+                                f"reference has {ref_param.grad is not None}")
+            continue
+        grad = param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad
+        expected = local_shard(ref_param.grad, param).to(grad.dtype)
+        mismatch = compare_tensors(f"gradient of {name!r}", grad, expected, rtol=rtol, atol=atol)
+        if mismatch is not None:
+            problems.append(mismatch.describe())
+    if count == 0:
+        problems.append("the stage has no parameters to compare")
+    return problems
+
+
+# --- what a stage actually executed -----------------------------------------------------------
+
+
+@dataclass
+class ExecutedOrder:
+    """Records the forward and backward chunks each stage runs, as the schedule calls them.
+
+    Wraps the stage's ``forward_one_chunk`` / ``backward_one_chunk`` on the instance, so the
+    record is what executed, not the schedule's declared ``pipeline_order`` table.
+    """
+
+    actions: dict[int, list[str]] = field(default_factory=dict)
+
+    def install(self, stage: PipelineStage) -> None:
+        record = self.actions.setdefault(stage.stage_index, [])
+        forward, backward = stage.forward_one_chunk, stage.backward_one_chunk
+
+        def recorded_forward(chunk_id: int, *args, **kwargs):
+            record.append(f"F{chunk_id}")
+            return forward(chunk_id, *args, **kwargs)
+
+        def recorded_backward(chunk_id: int, *args, **kwargs):
+            record.append(f"B{chunk_id}")
+            return backward(chunk_id, *args, **kwargs)
+
+        stage.forward_one_chunk = recorded_forward
+        stage.backward_one_chunk = recorded_backward
+
+    def clear(self) -> None:
+        for record in self.actions.values():
+            record.clear()
+
+
+def one_f_one_b_order(stage_index: int, num_stages: int, n_microbatches: int) -> list[str]:
+    """1F1B by definition: stage s runs ``num_stages - s`` warm-up forwards, then alternates one
+    backward and one forward, then drains the remaining backwards (all in microbatch order)."""
+    warmup = min(n_microbatches, num_stages - stage_index)
+    order = [f"F{i}" for i in range(warmup)]
+    next_forward, next_backward = warmup, 0
+    while next_backward < n_microbatches:
+        order.append(f"B{next_backward}")
+        next_backward += 1
+        if next_forward < n_microbatches:
+            order.append(f"F{next_forward}")
+            next_forward += 1
+    return order
+
+
+def gpipe_order(n_microbatches: int) -> list[str]:
+    """All forwards, then all backwards."""
+    return [f"F{i}" for i in range(n_microbatches)] + [f"B{i}" for i in range(n_microbatches)]

@@ -1,0 +1,252 @@
+"""Pipeline schedules composed with data parallelism (cases.md §4.2-§4.4, §5.1 item 9).
+
+Every data-parallel replica trains on its own data, and every rank replays all replicas on a
+single-process copy of the whole model (``MicrobatchReference``), so each check is local:
+
+* the last stage's per-microbatch losses equal the reference's for its replica (default
+  tolerance of the dtype);
+* each stage gradient equals the sum over microbatches of the per-microbatch gradients,
+  averaged over the data-parallel group (``scale_grads=False``): rtol 1e-4 / atol 1e-5 in
+  fp32, the bf16 defaults for bf16 (parameters stay fp32, computed in bf16, reduced in fp32);
+* for the single-stage schedules, the order in which each stage actually ran forward and
+  backward per microbatch (recorded by wrappers on the stage) is 1F1B's or GPipe's by
+  definition; the schedule's own ``pipeline_order`` table is not consulted (torch 2.13's is
+  wrong for the last rank of Schedule1F1B).
+
+Unlike the catalogue's §4.4, the replicas' data differ (it broadcasts one batch to all), so a
+missing or doubled data-parallel average changes the gradients. Two optimizer steps (AdamW as
+in §4) so the second step checks parameters updated from those gradients too.
+
+§4.2 (3-D TP+DP+PP) has no numeric reference upstream: the column-parallel ``net3`` hands a
+local half-width output to the next layer, which makes a different function from the
+unparallelised model. It must run without error or hang; the losses must be finite.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    RowwiseParallel,
+    parallelize_module,
+)
+
+from harness.parity import assert_tensors_close
+from suites.composition.pipeline import (
+    SCHEDULES,
+    SINGLE_STAGE_SCHEDULES,
+    ExecutedOrder,
+    LayerChunk,
+    MicrobatchReference,
+    MLPModule,
+    MLPModuleEven,
+    PipelineLayout,
+    build_pipeline,
+    gpipe_order,
+    gradient_mismatches,
+    layer_stack,
+    one_f_one_b_order,
+    replica_batches,
+    whole_model,
+)
+
+DIM = 8
+N_LAYERS = 8
+PP_SIZE = 2
+N_MICROBATCHES = 4
+MICROBATCH_ROWS = 2
+STEPS = 2
+FP32_GRAD_TOLERANCE = (1e-4, 1e-5)
+
+requires = pytest.mark.requires_capabilities
+default_run = pytest.mark.default_run
+slow = pytest.mark.slow
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+
+def adamw(params) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=0.01, betas=(0.9, 0.95), weight_decay=0.1, foreach=True)
+
+
+def pipeline_grid() -> list:
+    grid = []
+    for schedule in SCHEDULES:
+        for data_parallel in ("fully_shard", "replicate"):
+            for dtype in DTYPES:
+                marks = []
+                if data_parallel == "replicate":
+                    marks.append(requires("replicate"))
+                if dtype != "fp32":
+                    marks.append(requires("mixed_precision"))
+                grid.append(
+                    pytest.param(
+                        schedule,
+                        data_parallel,
+                        dtype,
+                        marks=marks,
+                        id=f"{schedule}-{data_parallel}-{dtype}",
+                    )
+                )
+    return grid
+
+
+def mixed_precision(impl, dtype: torch.dtype):
+    if dtype == torch.float32:
+        return None
+    return impl.MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+
+
+def data_parallel_per_layer(impl, kind: str, dp_mesh, mp_policy):
+    """Each layer of a stage its own group, then the stage root (the catalogue's recipe)."""
+
+    def distribute(chunk: LayerChunk) -> None:
+        for module in [*chunk.layers.values(), chunk]:
+            if kind == "fully_shard":
+                impl.fully_shard(
+                    module, mesh=dp_mesh, reshard_after_forward=False, mp_policy=mp_policy
+                )
+            else:
+                impl.replicate(module, mesh=dp_mesh, mp_policy=mp_policy)
+
+    return distribute
+
+
+@pytest.mark.world_size(4, 8)
+@requires("pp")
+# One representative item per data-parallel kind at world size 4 in the default run; the
+# other schedules, bf16 and world size 8 are slow.
+@default_run("ws4-1F1B-fully_shard-fp32", "ws4-Interleaved1F1B-replicate-fp32")
+@pytest.mark.parametrize(("schedule", "data_parallel", "dtype_name"), pipeline_grid())
+def test_pipeline_parity(rank_ctx, impl, schedule, data_parallel, dtype_name):
+    dtype = DTYPES[dtype_name]
+    dp_size = rank_ctx.world_size // PP_SIZE
+    mesh = rank_ctx.mesh((dp_size, PP_SIZE), ("dp", "pp"))
+    dp_rank = mesh["dp"].get_local_rank()
+    layout = PipelineLayout(schedule, mesh["pp"].get_local_rank(), PP_SIZE, N_LAYERS)
+
+    torch.manual_seed(42)
+    layers = layer_stack(lambda: MLPModule(DIM), N_LAYERS)
+    reference = MicrobatchReference(
+        whole_model(copy.deepcopy(layers)), N_MICROBATCHES, compute_dtype=dtype
+    )
+    reference_optimizer = adamw(reference.model.parameters())
+    pipeline = build_pipeline(
+        layers,
+        layout,
+        distribute=data_parallel_per_layer(
+            impl, data_parallel, mesh["dp"], mixed_precision(impl, dtype)
+        ),
+        pp_group=mesh["pp"].get_group(),
+        device=rank_ctx.device,
+        n_microbatches=N_MICROBATCHES,
+    )
+    optimizers = [adamw(chunk.parameters()) for chunk in pipeline.chunks]
+    executed = ExecutedOrder()
+    for stage in pipeline.stages:
+        executed.install(stage)
+    grad_rtol, grad_atol = FP32_GRAD_TOLERANCE if dtype == torch.float32 else (None, None)
+
+    for step in range(STEPS):
+        batches = replica_batches(
+            step, dp_size, N_MICROBATCHES * MICROBATCH_ROWS, DIM, dtype
+        )
+        inputs, labels = batches[dp_rank]
+        executed.clear()
+        losses = pipeline.step(inputs.to(rank_ctx.device), labels.to(rank_ctx.device))
+        reference_losses = reference.run(batches)[dp_rank]
+
+        if layout.is_last_rank:
+            assert len(losses) == N_MICROBATCHES, f"step {step}: {len(losses)} losses"
+            for index, (loss, expected) in enumerate(zip(losses, reference_losses, strict=True)):
+                assert_tensors_close(
+                    f"loss of microbatch {index} at step {step}", loss.detach().cpu(), expected
+                )
+        else:
+            assert losses == [], "only the last stage computes losses"
+        problems = gradient_mismatches(
+            pipeline.named_parameters(), reference.model, rtol=grad_rtol, atol=grad_atol
+        )
+        assert not problems, f"step {step}:\n" + "\n".join(problems)
+        if schedule in SINGLE_STAGE_SCHEDULES:
+            check_executed_order(schedule, layout, executed)
+
+        for optimizer in [*optimizers, reference_optimizer]:
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+
+def check_executed_order(schedule: str, layout: PipelineLayout, executed: ExecutedOrder) -> None:
+    (stage_index,) = layout.stage_indices()
+    if schedule == "1F1B":
+        expected = one_f_one_b_order(stage_index, layout.num_stages, N_MICROBATCHES)
+    else:
+        expected = gpipe_order(N_MICROBATCHES)
+    actual = executed.actions[stage_index]
+    assert actual == expected, (
+        f"{schedule} stage {stage_index} of {layout.num_stages} executed {' '.join(actual)}; "
+        f"expected {' '.join(expected)}"
+    )
+
+
+# --- §4.2: TP + DP + PP -------------------------------------------------------------------------
+
+
+def three_d_grid() -> list:
+    grid = []
+    for schedule in SCHEDULES:
+        for dtype in DTYPES:
+            marks = [slow]
+            if dtype != "fp32":
+                marks.append(requires("mixed_precision"))
+            grid.append(pytest.param(schedule, dtype, marks=marks, id=f"{schedule}-{dtype}"))
+    return grid
+
+
+@pytest.mark.world_size(8)
+@requires("pp", "tp")
+@pytest.mark.parametrize(("schedule", "dtype_name"), three_d_grid())
+def test_3d_tp_dp_pp(rank_ctx, impl, schedule, dtype_name):
+    dtype = DTYPES[dtype_name]
+    mesh = rank_ctx.mesh((2, PP_SIZE, 2), ("dp", "pp", "tp"))
+    layout = PipelineLayout(schedule, mesh["pp"].get_local_rank(), PP_SIZE, N_LAYERS)
+    tp_plan = {"net1": ColwiseParallel(), "net2": RowwiseParallel(), "net3": ColwiseParallel()}
+    mp_policy = impl.MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+
+    def distribute(chunk: LayerChunk) -> None:
+        for layer in chunk.layers.values():
+            parallelize_module(layer, mesh["tp"], tp_plan)
+        for module in [*chunk.layers.values(), chunk]:
+            impl.fully_shard(
+                module, mesh=mesh["dp"], reshard_after_forward=False, mp_policy=mp_policy
+            )
+
+    torch.manual_seed(42)
+    pipeline = build_pipeline(
+        layer_stack(lambda: MLPModuleEven(DIM), N_LAYERS),
+        layout,
+        distribute=distribute,
+        pp_group=mesh["pp"].get_group(),
+        device=rank_ctx.device,
+        n_microbatches=N_MICROBATCHES,
+        loss_fn=lambda output, _target: output.sum(),
+    )
+    optimizers = [adamw(chunk.parameters()) for chunk in pipeline.chunks]
+    for step in range(STEPS):
+        # One batch per dp replica, the same on its TP ranks (column-parallel inputs replicate).
+        batches = replica_batches(step, 2, N_MICROBATCHES * MICROBATCH_ROWS, DIM, dtype)
+        inputs, labels = batches[mesh["dp"].get_local_rank()]
+        losses = pipeline.step(inputs, labels)
+        if layout.is_last_rank:
+            assert len(losses) == N_MICROBATCHES
+            assert all(math.isfinite(float(loss)) for loss in losses), losses
+        for name, param in pipeline.named_parameters():
+            assert param.grad is not None, f"step {step}: {name} has no gradient"
+        for optimizer in optimizers:
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
