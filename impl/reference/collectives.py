@@ -2,8 +2,9 @@
 
 Every call goes through the ``torch.distributed`` module attribute at call time (never a name
 imported once), so tools that wrap ``dist.all_gather_single`` and friends see our traffic.
-Gradients are summed and then divided by the group size: SUM is the one reduction every
-backend offers for reduce-scatter and all-reduce (AVG and PREMUL_SUM are not universal).
+Gradients are always reduced with SUM and divided locally (``group.py``): SUM is the one
+reduction every backend offers for reduce-scatter and all-reduce (gloo has no PREMUL_SUM, AVG
+is not universal), so ``set_force_sum_reduction_for_comms`` changes nothing here.
 """
 
 from __future__ import annotations
@@ -19,15 +20,14 @@ def all_gather_flat(
     return dist.all_gather_single(output, flat_shard, group=group, async_op=async_op)
 
 
-def reduce_scatter_mean(rank_major: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    """Mean over ranks of ``rank_major`` (shape ``(world, n)``), returning this rank's row."""
-    world_size = rank_major.shape[0]
+def reduce_scatter_sum(rank_major: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """Sum over ranks of ``rank_major`` (shape ``(world, n)``), returning this rank's row."""
     output = rank_major.new_empty(rank_major.shape[1])
     dist.reduce_scatter_single(output, rank_major.view(-1), op=dist.ReduceOp.SUM, group=group)
-    return output.div_(world_size)
+    return output
 
 
-def all_reduce_mean(flat: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    """In-place mean over ranks of ``flat``."""
+def all_reduce_sum(flat: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """In-place sum over ranks of ``flat``."""
     dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
-    return flat.div_(dist.get_world_size(group))
+    return flat

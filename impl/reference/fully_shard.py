@@ -18,7 +18,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import Placement, Replicate, Shard
 
-from impl.reference.group import ParamGroup
+from impl.reference.group import DataParallelMesh, ParamGroup
 from impl.reference.module import FSDPModule, ReplicateModule
 from impl.reference.param import ManagedParam, ParamLocation
 from impl.reference.policies import MixedPrecisionPolicy, OffloadPolicy, require_supported_policies
@@ -43,18 +43,21 @@ def fully_shard(
 ) -> ModuleOrList:
     """Shard ``module``'s parameters (a list makes one group of several modules).
 
+    ``mesh``: 1-D shards over all its ranks; 2-D ``(replicate, shard)`` is HSDP: parameters
+    are ``(Replicate(), Shard(d))`` DTensors, all-gathered within the shard dim, gradients
+    reduce-scattered within it and then all-reduced across the replicate dim.
+
     ``reshard_after_forward``: ``True`` frees unsharded parameters after forward (one more
     all-gather in backward); ``False`` keeps them; ``None`` means ``False`` for the root and
     ``True`` otherwise; an int ``k`` (a divisor of the world size) keeps ``1/k`` of the
     unsharded parameters after forward, so backward all-gathers within groups of ``k``
-    consecutive ranks (``k == 1`` means ``False``, ``k == world size`` means ``True``).
+    consecutive ranks (``k == 1`` means ``False``, ``k == `` the shard dim's size means
+    ``True``).
     """
     mesh = mesh if mesh is not None else _default_mesh(None)
-    if mesh.ndim != 1:
-        raise NotImplementedError(
-            "the reference supports 1-D meshes only; HSDP (2-D meshes) lands in issue 6"
-        )
-    _check_reshard_after_forward(reshard_after_forward, mesh.size())
+    dp_mesh = DataParallelMesh.for_fully_shard(mesh)
+    shard_size = dp_mesh.shard_size
+    _check_reshard_after_forward(reshard_after_forward, shard_size)
 
     def placement(param: nn.Parameter) -> Placement:
         chosen = shard_placement_fn(param) if shard_placement_fn is not None else None
@@ -68,12 +71,13 @@ def fully_shard(
 
     post_forward_mesh = None
     is_int = isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool)
-    if is_int and 1 < reshard_after_forward < mesh.size():
-        # Collective: every rank calls fully_shard in the same order, so all create it.
+    if is_int and 1 < reshard_after_forward < shard_size:
+        # Collective: every rank calls fully_shard in the same order, so all create it. Rows
+        # of k consecutive mesh entries lie inside one shard group since k divides its size.
         post_forward_mesh = DeviceMesh(mesh.device_type, mesh.mesh.view(-1, reshard_after_forward))
     return _manage(
         module,
-        mesh,
+        dp_mesh,
         placement,
         reshard_after_forward,
         mp_policy,
@@ -94,7 +98,15 @@ def replicate(
     mesh = mesh if mesh is not None else _default_mesh(("replicate",))
     if mesh.ndim != 1:
         raise ValueError(f"replicate expects a 1-D DeviceMesh, got {mesh.ndim} dims: {mesh}")
-    return _manage(module, mesh, lambda _: Replicate(), False, mp_policy, offload_policy, True)
+    return _manage(
+        module,
+        DataParallelMesh.for_replicate(mesh),
+        lambda _: Replicate(),
+        False,
+        mp_policy,
+        offload_policy,
+        True,
+    )
 
 
 def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
@@ -117,7 +129,7 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
 
 def _manage(
     module: ModuleOrList,
-    mesh: DeviceMesh,
+    dp_mesh: DataParallelMesh,
     placement: Callable[[nn.Parameter], Placement],
     reshard_after_forward: bool | int | None,
     mp_policy: MixedPrecisionPolicy,
@@ -140,19 +152,28 @@ def _manage(
         if state_of(m) is not None:
             kind = "replicate" if state_of(m).replicated else "fully_shard"
             raise RuntimeError(f"{api}: {type(m).__name__} is already managed by {kind}")
-    device = _device_of(mesh)
+    device = _device_of(dp_mesh.mesh)
+    shard_size, shard_rank = dp_mesh.shard_size, dp_mesh.shard_rank
 
     originals: list[nn.Parameter] = []
     managed: list[ManagedParam] = []
-    tied_elsewhere: list[str] = []
+    tied_elsewhere: list[tuple[str, FSDPState]] = []
     by_identity: dict[int, ManagedParam] = {}
     for owner, name, fqn, param in _unmanaged_params(modules):
         if id(param) in by_identity:
             by_identity[id(param)].locations.append(ParamLocation(owner, name))
             continue
-        if getattr(param, _OWNER_ATTR, None) is not None:
-            tied_elsewhere.append(fqn)
-        mp = ManagedParam(fqn, param, [ParamLocation(owner, name)], mesh, placement(param))
+        if (owning_state := getattr(param, _OWNER_ATTR, None)) is not None:
+            tied_elsewhere.append((fqn, owning_state))
+        mp = ManagedParam(
+            fqn,
+            param,
+            [ParamLocation(owner, name)],
+            dp_mesh.mesh,
+            dp_mesh.placements(placement(param)),
+            shard_size,
+            shard_rank,
+        )
         by_identity[id(param)] = mp
         originals.append(param)
         managed.append(mp)
@@ -160,11 +181,21 @@ def _manage(
         _move_buffers(m, device)
 
     group = (
-        ParamGroup(managed, originals, mesh, device, replicated, post_forward_mesh)
+        ParamGroup(
+            managed,
+            originals,
+            dp_mesh,
+            device,
+            replicated,
+            post_forward_mesh,
+            mp_policy,
+            offload_policy,
+        )
         if managed
         else None
     )
     state = FSDPState(modules, device, group, reshard_after_forward, replicated, tied_elsewhere)
+    state.mp_policy = mp_policy
     for param in originals:
         setattr(param, _OWNER_ATTR, state)
     mixin = ReplicateModule if replicated else FSDPModule

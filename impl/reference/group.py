@@ -1,38 +1,104 @@
 """A parameter group: the parameters of one ``fully_shard``/``replicate`` call and their traffic.
 
-Memory layout (``N`` = sum of the padded local shard sizes, ``W`` = world size)::
+Meshes. A group's mesh has a *shard* dim, a *replicate* dim, or both (``DataParallelMesh``):
+``fully_shard`` on a 1-D mesh shards over it; on a 2-D mesh ``(replicate, shard)`` (HSDP) it
+shards over dim 1 and replicates over dim 0; ``replicate`` replicates over its 1-D mesh.
+``S`` below is the shard dim's size (1 for ``replicate``).
 
-    sharded_flat    [N]      this rank's padded shards, back to back; each sharded DTensor's
-                             local tensor is a view into it, so it *is* the all-gather input
-    all-gather out  [W * N]  rank-major: rank 0's N elements, then rank 1's, ...
-    unsharded_flat  [W * N]  param-major: parameter 0's padded full tensor, then parameter 1's;
+Memory layout (``N`` = sum of the padded local shard sizes)::
+
+    sharded_flat    [N]      this rank's padded shards, back to back, in the parameters'
+                             original dtype (on the CPU with CPU offload); each sharded
+                             DTensor's local tensor is a view into it
+    all-gather out  [S * N]  rank-major: shard rank 0's N elements, then rank 1's, ...,
+                             in the compute dtype (``param_dtype``) on the compute device
+    unsharded_flat  [S * N]  param-major: parameter 0's padded full tensor, then parameter 1's;
                              the unsharded parameters view it; storage freed on reshard
 
-One unshard is one ``all_gather_single`` plus one copy from rank-major to param-major order
-(``split_with_sizes_copy``). The copy is unavoidable with more than one parameter: a full
-parameter's rows come from every rank's slice of the output, so it cannot be a view of it.
+One unshard is one ``all_gather_single`` over the shard dim (of ``sharded_flat``, cast to the
+compute dtype and copied to the compute device first when either differs) plus one copy from
+rank-major to param-major order (``split_with_sizes_copy``). The copy is unavoidable with more
+than one parameter: a full parameter's rows come from every shard rank's slice of the output.
+Without an all-gather (``S == 1``: world size 1, ``replicate``) the unsharded parameters alias
+``sharded_flat`` directly, unless mixed precision or offload make them a cast/copied
+``unsharded_flat`` of ``N`` elements.
 
-One gradient reduction is one ``reduce_scatter_single`` of the gradients laid out rank-major
-(sharded groups) or one ``all_reduce`` of the flattened gradients (replicated groups).
-Without collectives (world size 1, or replicate) the unsharded parameters alias the sharded
-storage directly: no copies at all.
+One gradient reduction (``_reduce``): the group's gradients, cast to the reduce dtype, laid out
+rank-major ``(S, n)``; one ``reduce_scatter_single`` (SUM) over the shard dim when ``S > 1``;
+then, with a replicate dim, one ``all_reduce`` (SUM) over it. Sums are divided by the gradient
+divide factor (default: the number of data-parallel ranks ``S * R``) locally, since not every
+backend has PREMUL_SUM or AVG; the result is cast to the original dtype (and copied to the CPU
+with offload) and becomes, or is added to, the sharded ``DTensor`` gradients. With
+``set_requires_all_reduce(False)`` the reduce-scattered sums are kept in a partial buffer
+instead, added in before the next all-reduce, and no sharded gradient is written.
 
-``reshard_after_forward=k`` (1 < k < W) keeps, between forward and backward, a slice of
+``reshard_after_forward=k`` (1 < k < S) keeps, between forward and backward, a slice of
 ``unsharded_flat`` instead of nothing: each parameter's region split into ``k`` pieces, this
-rank keeping piece ``rank % k``. The backward all-gather then runs within a group of ``k``
-consecutive ranks and lands directly in param-major order.
+rank keeping piece ``shard rank % k``. The backward all-gather then runs within a group of
+``k`` consecutive ranks and lands directly in param-major order.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Placement, Replicate
 
-from impl.reference import collectives
+from impl.reference import collectives, policies
 from impl.reference.param import ManagedParam
+from impl.reference.policies import MixedPrecisionPolicy, OffloadPolicy
+
+
+@dataclass(frozen=True)
+class DataParallelMesh:
+    """Which dim of ``mesh`` parameters are sharded over and which they are replicated over."""
+
+    mesh: DeviceMesh
+    shard_dim: int | None
+    replicate_dim: int | None
+
+    @classmethod
+    def for_fully_shard(cls, mesh: DeviceMesh) -> DataParallelMesh:
+        if mesh.ndim == 1:
+            return cls(mesh, shard_dim=0, replicate_dim=None)
+        if mesh.ndim == 2:
+            return cls(mesh, shard_dim=1, replicate_dim=0)
+        raise ValueError(
+            f"fully_shard expects a 1-D mesh (shard) or a 2-D mesh (replicate, shard), got "
+            f"{mesh.ndim} dims: {mesh}"
+        )
+
+    @classmethod
+    def for_replicate(cls, mesh: DeviceMesh) -> DataParallelMesh:
+        return cls(mesh, shard_dim=None, replicate_dim=0)
+
+    @property
+    def shard_size(self) -> int:
+        return 1 if self.shard_dim is None else self.mesh.size(self.shard_dim)
+
+    @property
+    def shard_rank(self) -> int:
+        return 0 if self.shard_dim is None else self.mesh.get_local_rank(self.shard_dim)
+
+    @property
+    def replicate_size(self) -> int:
+        return 1 if self.replicate_dim is None else self.mesh.size(self.replicate_dim)
+
+    def group(self, dim: int | None) -> dist.ProcessGroup | None:
+        return None if dim is None else self.mesh.get_group(dim)
+
+    def placements(self, over_shard_dim: Placement) -> tuple[Placement, ...]:
+        """One placement per mesh dim: ``Replicate()`` on the replicate dim."""
+        if self.shard_dim is None:
+            return (Replicate(),)
+        if self.replicate_dim is None:
+            return (over_shard_dim,)
+        return (Replicate(), over_shard_dim)
 
 
 class UnshardHandle:
@@ -52,65 +118,88 @@ class ParamGroup:
         self,
         params: list[ManagedParam],
         originals: list[nn.Parameter],
-        mesh: DeviceMesh,
+        dp_mesh: DataParallelMesh,
         device: torch.device,
         replicated: bool,
         post_forward_mesh: DeviceMesh | None = None,
+        mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),  # noqa: B008 (frozen)
+        offload_policy: OffloadPolicy = OffloadPolicy(),  # noqa: B008
     ) -> None:
-        dtypes = {p.dtype for p in params}
-        if len(dtypes) != 1:
-            names = ", ".join(f"{p.fqn}: {p.dtype}" for p in params)
-            raise NotImplementedError(
-                f"the reference keeps one flat buffer per group, so all parameters of a group "
-                f"must share a dtype; got {names}"
-            )
+        _require_one_dtype(params, [p.dtype for p in params])
         self.params = params
-        self.mesh = mesh
-        self.process_group = mesh.get_group()
-        self.world_size = mesh.size()
+        self.mesh = dp_mesh.mesh
+        self.shard_size = dp_mesh.shard_size
+        self.replicate_size = dp_mesh.replicate_size
+        self.shard_group = dp_mesh.group(dp_mesh.shard_dim)
+        self.replicate_group = dp_mesh.group(dp_mesh.replicate_dim)
         self.replicated = replicated
         self.device = device
+        self.mp_policy = mp_policy
+        self.offload_to_cpu = policies.offloads_to_cpu(offload_policy)
+        self.pin_memory = policies.pins_memory(offload_policy)
+        self.sharded_device = torch.device("cpu") if self.offload_to_cpu else device
         # Policies; the owning state resolves reshard_after_forward at lazy init.
         self.reshard_after_forward = True
         self.reshard_after_backward = True
         self.requires_gradient_sync = True
-        self.requires_all_reduce = True  # HSDP's replicate-dim all-reduce (issue 6)
+        self.requires_all_reduce = True  # the replicate dim's all-reduce (HSDP, replicate)
         self.unshard_async_op = False
-        # Communication happens only for sharded groups spanning more than one rank.
-        self.gathers = not replicated and self.world_size > 1
+        self.gradient_divide_factor: float | None = None
+        # Kept for the API: every reduction here is a SUM already (see collectives.py).
+        self.force_sum_reduction_for_comms = False
+        # Communication in unshard happens only when parameters are split over several ranks.
+        self.gathers = self.shard_size > 1
 
         offset = 0
         for p in params:
             p.flat_offset = offset
             offset += p.flat_numel
         self.flat_numel = offset
-        dtype = params[0].dtype
-        self.sharded_flat = torch.zeros(self.flat_numel, dtype=dtype, device=device)
+        self.sharded_flat = self._new_sharded_flat(params[0].dtype)
         for p, original in zip(params, originals, strict=True):
-            p.init_sharded(original.detach().to(device), self.sharded_flat)
+            p.init_sharded(original.detach().to(self.sharded_device), self.sharded_flat)
 
-        if self.gathers:
-            self.unsharded_flat = torch.empty(
-                self.world_size * self.flat_numel, dtype=dtype, device=device
-            )
-            for p in params:
-                p.init_unsharded(self.unsharded_flat, self.world_size * p.flat_offset)
-            self._free_unsharded_storage()
-        else:
-            for p in params:
-                p.init_unsharded(self.sharded_flat, p.flat_offset)
-
-        # reshard_after_forward=k: the (W/k, k) mesh whose dim 1 is this rank's group of k.
+        # reshard_after_forward=k: the (S/k, k) mesh whose dim 1 is this rank's group of k.
         self.post_forward_mesh = post_forward_mesh
         self._post_forward_shard: torch.Tensor | None = None
 
         self.is_unsharded = False
-        self._pending_all_gather: tuple[torch.distributed.Work | None, torch.Tensor] | None = None
+        self._pending_all_gather: tuple[dist.Work | None, torch.Tensor, torch.Tensor] | None = None
+        # Reduce-scattered gradient sums waiting for the replicate all-reduce.
+        self._partial_reduce: torch.Tensor | None = None
         # Backward bookkeeping: a group reduces as soon as every gradient it expects has been
         # accumulated; groups with unused parameters are flushed by the final callback.
         self._grads_ready: set[int] = set()
         self._grads_expected = sum(p.requires_grad for p in params)
-        for index, p in enumerate(params):
+        self._build_unsharded_params()
+
+    def _new_sharded_flat(self, dtype: torch.dtype) -> torch.Tensor:
+        return torch.zeros(
+            self.flat_numel, dtype=dtype, device=self.sharded_device, pin_memory=self.pin_memory
+        )
+
+    def _build_unsharded_params(self) -> None:
+        """Resolve the dtypes from the current parameters and (re)create the unsharded params."""
+        self.orig_dtype = self.sharded_flat.dtype
+        self.compute_dtype = policies.compute_dtype(self.mp_policy, self.orig_dtype)
+        self.reduce_dtype = policies.reduce_dtype(self.mp_policy, self.orig_dtype)
+        self.aliases_sharded = (
+            not self.gathers
+            and self.compute_dtype == self.orig_dtype
+            and self.sharded_device == self.device
+        )
+        if self.aliases_sharded:
+            self.unsharded_flat = self.sharded_flat
+            for p in self.params:
+                p.init_unsharded(self.sharded_flat, p.flat_offset)
+        else:
+            self.unsharded_flat = torch.empty(
+                self.shard_size * self.flat_numel, dtype=self.compute_dtype, device=self.device
+            )
+            for p in self.params:
+                p.init_unsharded(self.unsharded_flat, self.shard_size * p.flat_offset)
+            self._free_unsharded_storage()
+        for index, p in enumerate(self.params):
             assert p.unsharded_param is not None
             p.unsharded_param.register_post_accumulate_grad_hook(
                 lambda _param, index=index: self._on_grad_accumulated(index)
@@ -123,7 +212,11 @@ class ParamGroup:
         if self.is_unsharded:
             return
         if not self.gathers:
-            self._check_sharded_storage()
+            self._adopt_replaced_sharded_params()
+            if not self.aliases_sharded:
+                self._allocate_unsharded_storage()
+                with torch.no_grad():
+                    self.unsharded_flat.copy_(self.sharded_flat)  # cast and/or to the device
             self._register_unsharded()
             return
         if self._pending_all_gather is None:
@@ -132,19 +225,22 @@ class ParamGroup:
             self.wait_for_unshard()
 
     def _start_all_gather(self, async_op: bool) -> None:
-        self._check_sharded_storage()
-        source, group = self.sharded_flat, self.process_group
+        self._adopt_replaced_sharded_params()
         if self._post_forward_shard is not None:
             assert self.post_forward_mesh is not None
             source, group = self._post_forward_shard, self.post_forward_mesh.get_group(1)
-        output = source.new_empty(self.world_size * self.flat_numel)
+        else:
+            source = self.sharded_flat.to(self.device, self.compute_dtype)
+            group = self.shard_group
+        output = source.new_empty(self.shard_size * self.flat_numel)
         work = collectives.all_gather_flat(output, source, group, async_op)
-        self._pending_all_gather = (work, output)
+        # ``source`` may be a temporary cast copy: keep it alive until the all-gather is done.
+        self._pending_all_gather = (work, output, source)
 
     def wait_for_unshard(self) -> None:
         if self._pending_all_gather is None:
             return
-        work, output = self._pending_all_gather
+        work, output, _source = self._pending_all_gather
         self._pending_all_gather = None
         if work is not None:
             work.wait()
@@ -182,7 +278,7 @@ class ParamGroup:
     def _reshard_to_sharded(self) -> None:
         for p in self.params:
             p.register_sharded()
-        if self.gathers:
+        if not self.aliases_sharded:
             self._free_unsharded_storage()
         self.is_unsharded = False
 
@@ -194,11 +290,11 @@ class ParamGroup:
         self.is_unsharded = True
 
     def _copy_rank_major_to_param_major(self, output: torch.Tensor) -> None:
-        ws = self.world_size
+        ws = self.shard_size
         by_rank = output.view(ws, self.flat_numel)
         with torch.no_grad():
             if all(p.is_dim0_sharded for p in self.params):
-                # Param-major regions viewed (W, padded shard) are exactly the padded params.
+                # Param-major regions viewed (S, padded shard) are exactly the padded params.
                 targets = [self._param_region(p).view(ws, -1) for p in self.params]
                 torch.split_with_sizes_copy(
                     by_rank, [p.flat_numel for p in self.params], dim=1, out=targets
@@ -214,7 +310,7 @@ class ParamGroup:
 
     def _param_region(self, p: ManagedParam) -> torch.Tensor:
         """``p``'s padded full tensor inside ``unsharded_flat``, flat."""
-        ws = self.world_size
+        ws = self.shard_size
         return self.unsharded_flat.narrow(0, ws * p.flat_offset, ws * p.flat_numel)
 
     def _copy_post_forward_gather(self, output: torch.Tensor) -> None:
@@ -224,7 +320,7 @@ class ParamGroup:
         with torch.no_grad():
             torch.split_with_sizes_copy(
                 by_rank,
-                [self.world_size * p.flat_numel // pieces for p in self.params],
+                [self.shard_size * p.flat_numel // pieces for p in self.params],
                 dim=1,
                 out=[self._param_region(p).view(pieces, -1) for p in self.params],
             )
@@ -238,16 +334,41 @@ class ParamGroup:
     def _free_unsharded_storage(self) -> None:
         self.unsharded_flat.untyped_storage().resize_(0)
 
-    def _check_sharded_storage(self) -> None:
-        """Fail loudly if something replaced a sharded parameter's storage behind our back."""
+    # --- parameters replaced behind the group's back -----------------------------------
+
+    def _adopt_replaced_sharded_params(self) -> None:
+        """Re-adopt sharded parameters whose local tensor left ``sharded_flat``.
+
+        ``module.to(dtype)`` (through ``FSDPModule._apply``), ``load_state_dict(assign=True)``
+        and the like give a sharded ``DTensor`` parameter a new local tensor; the group then
+        rebuilds its buffers around the new tensors, dtype and device included.
+        """
         base = self.sharded_flat.untyped_storage().data_ptr()
-        for p in self.params:
-            if p.sharded_local().untyped_storage().data_ptr() != base:
-                raise RuntimeError(
-                    f"{p.fqn}: the sharded parameter's local tensor no longer lives in its "
-                    f"group's flat buffer (was it replaced, e.g. by module.to(dtype)?); the "
-                    f"reference does not support re-materialised parameters yet (issue 6)"
-                )
+        if all(p.sharded_local().untyped_storage().data_ptr() == base for p in self.params):
+            return
+        self.adopt_sharded_params()
+
+    def adopt_sharded_params(self) -> None:
+        if self.is_unsharded or self._pending_all_gather is not None:
+            raise RuntimeError(
+                "the group's sharded parameters changed while it was unsharded; reshard() "
+                "before replacing them"
+            )
+        locals_ = [p.sharded_local() for p in self.params]
+        _require_one_dtype(self.params, [t.dtype for t in locals_])
+        device = locals_[0].device
+        if self.offload_to_cpu and device.type != "cpu":
+            raise RuntimeError(
+                f"{self.params[0].fqn} is on {device}, but with CPUOffloadPolicy the sharded "
+                f"parameters must stay on the CPU"
+            )
+        self.sharded_device = device
+        self._post_forward_shard = None
+        flat = self._new_sharded_flat(locals_[0].dtype)
+        for p, local in zip(self.params, locals_, strict=True):
+            p.adopt_sharded(local, flat)
+        self.sharded_flat = flat
+        self._build_unsharded_params()
 
     # --- backward ----------------------------------------------------------------------
 
@@ -261,6 +382,9 @@ class ParamGroup:
         self._grads_ready.clear()
         if self.requires_gradient_sync:
             self._reduce_gradients()
+        else:
+            for p in self.params:
+                p.stash_unsharded_grad(self.reduce_dtype)
         if self.reshard_after_backward:
             self.reshard()
 
@@ -269,49 +393,76 @@ class ParamGroup:
         if not with_grads:
             return
         with torch.no_grad():
-            if self.replicated:
-                self._all_reduce(with_grads)
-            elif self.gathers:
-                self._reduce_scatter(with_grads)
-            else:
-                for p, grad in with_grads:
-                    p.accumulate_sharded_grad(grad)
+            reduced = self._reduce(with_grads)
+            if reduced is None:
+                return
+            offset = 0
+            for p, _ in with_grads:
+                p.accumulate_sharded_grad(_local_rows(p, reduced.narrow(0, offset, p.flat_numel)))
+                offset += p.flat_numel
 
-    def _reduce_scatter(self, with_grads: list[tuple[ManagedParam, torch.Tensor]]) -> None:
-        ws = self.world_size
-        rank_major = torch.cat([_grad_rank_major(p, g, ws) for p, g in with_grads], dim=1)
-        reduced = collectives.reduce_scatter_mean(rank_major, self.process_group)
-        offset = 0
-        for p, _ in with_grads:
-            assert p.layout is not None
-            local = reduced.narrow(0, offset, p.flat_numel).view(p.layout.padded_local_shape)
-            p.accumulate_sharded_grad(local.narrow(p.layout.dim, 0, p.layout.local_rows))
-            offset += p.flat_numel
-
-    def _all_reduce(self, with_grads: list[tuple[ManagedParam, torch.Tensor]]) -> None:
-        if self.world_size == 1:
-            for p, grad in with_grads:
-                p.accumulate_sharded_grad(grad)
-            return
-        flat = torch.cat([g.reshape(-1) for _, g in with_grads])
-        collectives.all_reduce_mean(flat, self.process_group)
-        offset = 0
-        for p, grad in with_grads:
-            p.accumulate_sharded_grad(flat.narrow(0, offset, grad.numel()).view(p.shape))
-            offset += grad.numel()
+    def _reduce(self, with_grads: list[tuple[ManagedParam, torch.Tensor]]) -> torch.Tensor | None:
+        """This rank's reduced rows of every gradient, flat, or ``None`` if held back as partial."""
+        dtype = self.reduce_dtype or with_grads[0][1].dtype
+        factor = self.gradient_divide_factor or self.shard_size * self.replicate_size
+        pre_divide, post_divide = policies.gradient_divide_factors(factor, dtype)
+        rank_major = torch.cat(
+            [_grad_rank_major(p, g.to(dtype), self.shard_size) for p, g in with_grads], dim=1
+        )
+        if pre_divide != 1:
+            rank_major.div_(pre_divide)
+        if self.shard_size > 1:
+            reduced = collectives.reduce_scatter_sum(rank_major, self.shard_group)
+        else:
+            reduced = rank_major[0]
+        if self.replicate_group is not None:
+            if self._partial_reduce is not None:
+                if self._partial_reduce.shape != reduced.shape:
+                    raise RuntimeError(
+                        "set_requires_all_reduce(False): a later backward produced gradients for "
+                        "a different set of parameters than the one it accumulates with"
+                    )
+                reduced += self._partial_reduce
+                self._partial_reduce = None
+            if not self.requires_all_reduce:
+                self._partial_reduce = reduced
+                return None
+            if self.replicate_size > 1:
+                collectives.all_reduce_sum(reduced, self.replicate_group)
+        if post_divide != 1:
+            reduced.div_(post_divide)
+        return reduced.to(self.sharded_device, self.orig_dtype)
 
     def reset(self) -> None:
         """Forget a failed iteration: drop pending work and unsharded grads, reshard."""
         self._grads_ready.clear()
+        self._partial_reduce = None
         for p in self.params:
             p.take_unsharded_grad()
         self.reshard()
 
 
+def _require_one_dtype(params: list[ManagedParam], dtypes: list[torch.dtype]) -> None:
+    if len(set(dtypes)) != 1:
+        names = ", ".join(f"{p.fqn}: {d}" for p, d in zip(params, dtypes, strict=True))
+        raise NotImplementedError(
+            f"the reference keeps one flat buffer per group, so all parameters of a group "
+            f"must share a dtype; got {names}"
+        )
+
+
+def _local_rows(p: ManagedParam, flat: torch.Tensor) -> torch.Tensor:
+    """``p``'s padded flat shard viewed in its shape, padding rows cut off."""
+    if p.layout is None:
+        return flat.view(p.shape)
+    return flat.view(p.layout.padded_local_shape).narrow(p.layout.dim, 0, p.layout.local_rows)
+
+
 def _grad_rank_major(p: ManagedParam, grad: torch.Tensor, ws: int) -> torch.Tensor:
-    """``grad`` reshaped to ``(W, padded shard numel)``: row r is what rank r will own."""
-    assert p.layout is not None
+    """``grad`` reshaped to ``(S, padded shard numel)``: row r is what shard rank r will own."""
     layout = p.layout
+    if layout is None:
+        return grad.reshape(1, -1)
     if layout.dim == 0:
         if layout.padded_shape[0] != layout.shape[0]:
             padded = grad.new_zeros(layout.padded_shape)
@@ -326,7 +477,7 @@ def _grad_rank_major(p: ManagedParam, grad: torch.Tensor, ws: int) -> torch.Tens
 
 
 def _rank_split_view(shape: tuple[int, ...], dim: int, ws: int) -> tuple[int, ...]:
-    """``shape`` as ``(before dim, W, chunk, after dim)``: splits dim ``dim`` into rank chunks."""
+    """``shape`` as ``(before dim, S, chunk, after dim)``: splits dim ``dim`` into rank chunks."""
     before = math.prod(shape[:dim])
     after = math.prod(shape[dim + 1 :])
     return (before, ws, shape[dim] // ws, after)

@@ -4,10 +4,14 @@ A managed parameter lives in two forms that are swapped in and out of its module
 
 * the **sharded** form, an ``nn.Parameter`` holding a ``DTensor`` whose local tensor is a view
   into the parameter group's flat sharded buffer (so the all-gather reads it with no copy-in,
-  and the optimizer's in-place updates land in that buffer);
-* the **unsharded** form, a plain ``nn.Parameter`` that views the group's unsharded buffer.
-  It is created once and reused for every unshard, so autograd's saved tensors and the
-  gradients accumulated on it across microbatches survive a reshard/unshard cycle.
+  and the optimizer's in-place updates land in that buffer). Its placements are one per mesh
+  dim: ``(Shard(d),)`` on a 1-D mesh, ``(Replicate(), Shard(d))`` on an HSDP mesh
+  ``(replicate, shard)``, ``(Replicate(),)`` for ``replicate``. It keeps the parameter's
+  original dtype and, with CPU offload, lives on the CPU;
+* the **unsharded** form, a plain ``nn.Parameter`` that views the group's unsharded buffer, in
+  the compute dtype (``MixedPrecisionPolicy.param_dtype``) on the compute device. It is created
+  once and reused for every unshard, so autograd's saved tensors and the gradients accumulated
+  on it across microbatches survive a reshard/unshard cycle.
 
 The unsharded form is built with ``Tensor.set_`` onto the buffer's storage rather than as a
 view of the buffer: a view would share the buffer's version counter, and refilling the buffer
@@ -47,7 +51,12 @@ def alias_storage(storage_owner: torch.Tensor, offset: int, shape: torch.Size) -
 
 
 class ManagedParam:
-    """A parameter of a group: its placement, its sharded storage and its registration."""
+    """A parameter of a group: its placements, its sharded storage and its registration.
+
+    ``placements`` has one entry per mesh dim; the last one says how the parameter is split
+    over the shard dim (``Shard(d)``) or that it is not split at all (``Replicate()``).
+    ``shard_size`` and ``shard_rank`` are the size of that dim and this rank's index in it.
+    """
 
     def __init__(
         self,
@@ -55,19 +64,21 @@ class ManagedParam:
         original: nn.Parameter,
         locations: list[ParamLocation],
         mesh: DeviceMesh,
-        placement: Placement,
+        placements: tuple[Placement, ...],
+        shard_size: int,
+        shard_rank: int,
     ) -> None:
         self.fqn = fqn
         self.locations = locations
         self.mesh = mesh
-        self.placement = placement
+        self.placements = placements
         self.shape = original.shape
         self.dtype = original.dtype
         self.requires_grad = original.requires_grad
-        world_size, rank = mesh.size(), mesh.get_local_rank()
+        placement = placements[-1]
         if isinstance(placement, Shard):
             self.layout: ShardLayout | None = ShardLayout(
-                tuple(self.shape), placement.dim, world_size, rank
+                tuple(self.shape), placement.dim, shard_size, shard_rank
             )
             self.flat_numel = self.layout.padded_local_numel
         else:
@@ -77,6 +88,14 @@ class ManagedParam:
         self.flat_offset = 0
         self.sharded_param: nn.Parameter
         self.unsharded_param: nn.Parameter | None = None
+        # Unsharded gradients kept in the reduce dtype while gradient sync is off (FSDP2
+        # accumulates in reduce_dtype when it differs from the compute dtype).
+        self.accumulated_grad: torch.Tensor | None = None
+
+    @property
+    def placement(self) -> Placement:
+        """The placement over the shard dim (the last mesh dim)."""
+        return self.placements[-1]
 
     @property
     def is_dim0_sharded(self) -> bool:
@@ -107,26 +126,49 @@ class ManagedParam:
         self.sharded_param = nn.Parameter(self._as_dtensor(local), requires_grad=self.requires_grad)
         self.register(self.sharded_param)
 
+    def adopt_sharded(self, local: torch.Tensor, sharded_flat: torch.Tensor) -> None:
+        """Move ``local`` (the sharded parameter's current real rows, possibly of a new dtype or
+        storage, e.g. after ``module.to(float64)``) into ``sharded_flat``, keeping the
+        parameter object (optimizers and users hold it) and its gradient."""
+        view = self.local_view(sharded_flat)
+        with torch.no_grad():
+            view.copy_(local)
+        param = self.sharded_param
+        grad = param.grad
+        replacement = nn.Parameter(self._as_dtensor(view), requires_grad=param.requires_grad)
+        torch.utils.swap_tensors(param, replacement)
+        param.grad = grad
+        self.dtype = sharded_flat.dtype
+
     def _as_dtensor(self, local: torch.Tensor) -> DTensor:
         return DTensor.from_local(
             local,
             self.mesh,
-            (self.placement,),
+            self.placements,
             run_check=False,
             shape=self.shape,
             stride=torch.empty(self.shape, device="meta").stride(),
         )
 
     def sharded_local(self) -> torch.Tensor:
-        """The sharded parameter's current local tensor (the optimizer may have swapped it)."""
+        """The sharded parameter's current local tensor (``module.to`` may have swapped it)."""
         with torch.no_grad():
             return self.sharded_param.to_local()
 
     # --- unsharded form ----------------------------------------------------------------
 
-    def init_unsharded(self, storage_owner: torch.Tensor, offset: int) -> None:
+    def init_unsharded(self, storage_owner: torch.Tensor, offset: int) -> nn.Parameter:
+        """Create the unsharded parameter on ``storage_owner``'s storage (its dtype and device).
+
+        A gradient accumulated on a previous unsharded parameter (gradient sync off across a
+        re-materialisation) is carried over.
+        """
+        previous = self.unsharded_param
         alias = alias_storage(storage_owner, offset, self.shape)
         self.unsharded_param = nn.Parameter(alias, requires_grad=self.requires_grad)
+        if previous is not None and previous.grad is not None:
+            self.unsharded_param.grad = previous.grad.to(alias.dtype)
+        return self.unsharded_param
 
     # --- registration ------------------------------------------------------------------
 
@@ -147,13 +189,30 @@ class ManagedParam:
 
     # --- gradients ---------------------------------------------------------------------
 
+    def stash_unsharded_grad(self, reduce_dtype: torch.dtype | None) -> None:
+        """Gradient sync is off: keep accumulating, in ``reduce_dtype`` when one is set."""
+        if self.unsharded_param is None or self.unsharded_param.grad is None:
+            return
+        grad = self.unsharded_param.grad
+        if self.accumulated_grad is not None:
+            self.accumulated_grad += grad
+            self.unsharded_param.grad = None
+        elif reduce_dtype is not None and grad.dtype != reduce_dtype:
+            self.accumulated_grad = grad.to(reduce_dtype)
+            self.unsharded_param.grad = None
+
     def take_unsharded_grad(self) -> torch.Tensor | None:
-        """Detach the accumulated unsharded gradient from the unsharded parameter."""
+        """Detach the accumulated unsharded gradient (both kinds) from this parameter."""
         if self.unsharded_param is None:
             return None
         grad = self.unsharded_param.grad
         self.unsharded_param.grad = None
-        return grad
+        accumulated, self.accumulated_grad = self.accumulated_grad, None
+        if accumulated is None:
+            return grad
+        if grad is not None:
+            accumulated += grad
+        return accumulated
 
     def accumulate_sharded_grad(self, local_grad: torch.Tensor) -> None:
         """Set or add ``local_grad`` (this rank's real rows) as the sharded gradient."""
