@@ -1,0 +1,78 @@
+"""``model.to(float64)`` after sharding converts parameters and gradients (§2.3, §3.3).
+
+Under swap-tensors mode (``torch.__future__.set_swap_module_params_on_conversion``), the
+conversion swaps the registered DTensors: their local shards, global dtype and gradients are
+float64 from then on, and 10 Adam steps match a float64 reference with explicit averaging.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections.abc import Iterator
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from harness.parity import assert_losses_equal, assert_sharded_parity, average_gradients
+from suites.cases import conformance
+from suites.models import MLP
+from suites.training import STEPS, zero_grad
+
+
+@contextlib.contextmanager
+def swap_tensors_on_conversion() -> Iterator[None]:
+    previous = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        yield
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(previous)
+
+
+def assert_float64(tensor: torch.Tensor, what: str) -> None:
+    assert tensor.dtype == torch.float64, f"{what}: {tensor.dtype}"
+    if isinstance(tensor, DTensor):
+        assert tensor.to_local().dtype == torch.float64, f"{what} (local shard)"
+
+
+def run_cast_after_init(rank_ctx, distribute) -> None:
+    with swap_tensors_on_conversion():
+        model = MLP(4)
+        reference = copy.deepcopy(model).to(torch.float64)
+        ref_optimizer = torch.optim.Adam(reference.parameters(), lr=1e-2)
+        for module in (model.in_proj, model.out_proj, model):
+            distribute(module)
+        model.to(torch.float64)
+        for p in model.parameters():
+            assert isinstance(p, DTensor), "a parameter stopped being a DTensor after .to()"
+            assert_float64(p, "parameter after .to(float64)")
+        optimizer = torch.optim.Adam(model.parameters(), lr=1e-2, foreach=True)
+        assert_sharded_parity(reference, model, check_grads=False)
+        torch.manual_seed(42 + rank_ctx.rank + 1)
+        for step in range(STEPS):
+            inp = torch.randn(2, 4, dtype=torch.float64)
+            loss = model(inp).sum()
+            loss.backward()
+            ref_loss = reference(inp).sum()
+            ref_loss.backward()
+            average_gradients(reference)
+            assert_losses_equal(step, loss, ref_loss)
+            assert_sharded_parity(reference, model)
+            for p in model.parameters():
+                assert_float64(p, "parameter")
+                assert_float64(p.grad, "gradient")
+            for opt in (optimizer, ref_optimizer):
+                opt.step()
+                zero_grad(opt, step)
+        assert_sharded_parity(reference, model, check_grads=False)
+
+
+@conformance("fsdp.cast_after_init")
+def test_to_float64_after_init(rank_ctx, impl):
+    run_cast_after_init(rank_ctx, impl.fully_shard)
+
+
+@conformance("replicate.cast_after_init")
+def test_replicate_to_float64_after_init(rank_ctx, impl):
+    run_cast_after_init(rank_ctx, impl.replicate)

@@ -1,0 +1,166 @@
+"""Training parity with one and several groups (cases.md §2.4, §3.4; §5.1 items 3 and 4).
+
+Every case trains 10 Adam steps next to a plain copy with explicit gradient averaging, on
+different data per rank (seed ``42 + rank + 1``): losses every step, parameters and
+gradients shard by shard every step, and the collectives of every forward+backward.
+Unlike the replicate upstream tests, the optimizer steps before ``zero_grad`` (the upstream
+order made every step a no-op, cases.md §3), and parameters are compared after each step.
+
+Multi-group cases inject the upstream delays: 100 ms before each all-gather, before each
+gradient reduction (the all-reduce for replicate), after forward and before the optimizer;
+none, one at a time, or all four.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.distributed.tensor import Shard
+
+from suites.cases import conformance, grid
+from suites.training import (
+    SUMMED_LOGITS_GRAD_TOLERANCE,
+    Expected,
+    blocks,
+    collective_delays,
+    delay_id,
+    delay_sets,
+    host_delay,
+    train_with_parity,
+    transformer,
+    transformer_tokens,
+)
+
+LIN_SHAPES = {
+    "16x15_15x8": [(16, 15), (15, 8)],
+    "7x15_15x3": [(7, 15), (15, 3)],
+    "16x17_17x8": [(16, 17), (17, 8)],
+}
+DELAY_SETS = {delay_id(d): d for d in delay_sets()}
+
+
+def two_linears(label: str) -> nn.Module:
+    shapes = LIN_SHAPES.get(label) or [(32, 16), (16, 8)]
+    return nn.Sequential(nn.Linear(*shapes[0]), nn.ReLU(), nn.Linear(*shapes[1]))
+
+
+def shard_largest_dim(param: nn.Parameter) -> Shard:
+    return Shard(param.shape.index(max(param.shape)))
+
+
+def run_single_group(rank_ctx, distribute, label: str, expected: Expected) -> None:
+    in_dim = (LIN_SHAPES.get(label) or [(32, 16)])[0][0]
+    inp = torch.randn(4, in_dim)  # the upstream input is fixed across steps
+    train_with_parity(rank_ctx.rank, two_linears(label), distribute, lambda: inp, expected=expected)
+
+
+@conformance("fsdp.parity.single_group")
+@pytest.mark.parametrize("point", grid(lin_shapes=list(LIN_SHAPES)))
+def test_train_parity_single_group_shard_dim0(rank_ctx, impl, point):
+    run_single_group(
+        rank_ctx, impl.fully_shard, point["lin_shapes"], Expected.sharded(1, 0)
+    )
+
+
+@conformance("fsdp.parity.single_group_largest_dim")
+def test_train_parity_single_group_shard_largest_dim(rank_ctx, impl):
+    def distribute(model: nn.Module) -> None:
+        impl.fully_shard(model, shard_placement_fn=shard_largest_dim)
+        placements = {p.placements for p in model.parameters()}
+        assert (Shard(1),) in placements, f"no parameter sharded on dim 1: {placements}"
+
+    run_single_group(rank_ctx, distribute, "32x16_16x8", Expected.sharded(1, 0))
+
+
+@conformance("replicate.parity.single_group")
+@pytest.mark.parametrize("point", grid(lin_shapes=list(LIN_SHAPES)))
+def test_replicate_train_parity_single_group(rank_ctx, impl, point):
+    run_single_group(rank_ctx, impl.replicate, point["lin_shapes"], Expected(all_reduce=1))
+
+
+def run_multi_group(
+    rank_ctx,
+    impl,
+    *,
+    raf: bool | int = True,
+    delays: tuple[str, ...] = (),
+    offload_policy=None,
+    unshard_async: bool = False,
+    replicate: bool = False,
+) -> None:
+    n_layers = 3
+    model = transformer(n_layers)
+    if replicate:
+        mesh = rank_ctx.mesh((rank_ctx.world_size,), ("replicate",))
+        expected = Expected(all_reduce=n_layers + 1)
+    else:
+        mesh = rank_ctx.mesh((rank_ctx.world_size,))
+        expected = Expected.sharded(n_layers + 1, 0 if raf is False else n_layers + 1)
+
+    def distribute(m: nn.Module) -> None:
+        for module in [*blocks(m), m]:
+            if replicate:
+                impl.replicate(module, mesh=mesh, offload_policy=offload_policy)
+            else:
+                impl.fully_shard(
+                    module, mesh=mesh, reshard_after_forward=raf, offload_policy=offload_policy
+                )
+            if unshard_async:
+                impl.set_unshard_async_op(module, True)
+
+    train_with_parity(
+        rank_ctx.rank,
+        model,
+        distribute,
+        transformer_tokens,
+        expected=expected,
+        model_context=collective_delays(delays, replicate=replicate),
+        after_forward=host_delay("after_forward" in delays),
+        before_step=host_delay("before_optim" in delays),
+        grad_tolerance=SUMMED_LOGITS_GRAD_TOLERANCE if replicate else None,
+    )
+
+
+@conformance("fsdp.parity.multi_group")
+@pytest.mark.parametrize("point", grid(raf=[True, False, 2], delays=list(DELAY_SETS)))
+def test_train_parity_multi_group(rank_ctx, impl, point):
+    run_multi_group(rank_ctx, impl, raf=point["raf"], delays=DELAY_SETS[point["delays"]])
+
+
+@conformance("fsdp.parity.multi_group_cpu_offload")
+@pytest.mark.parametrize("point", grid(pin_memory=[True, False], delays=list(DELAY_SETS)))
+def test_train_parity_multi_group_cpu_offload(rank_ctx, impl, point):
+    run_multi_group(
+        rank_ctx,
+        impl,
+        raf=True,
+        delays=DELAY_SETS[point["delays"]],
+        offload_policy=impl.CPUOffloadPolicy(pin_memory=point["pin_memory"]),
+    )
+
+
+@conformance("fsdp.parity.multi_group_unshard_async")
+@pytest.mark.parametrize("point", grid(delays=list(DELAY_SETS)))
+def test_train_parity_multi_group_unshard_async_op(rank_ctx, impl, point):
+    run_multi_group(
+        rank_ctx, impl, raf=True, delays=DELAY_SETS[point["delays"]], unshard_async=True
+    )
+
+
+@conformance("replicate.parity.multi_group")
+@pytest.mark.parametrize("point", grid(delays=list(DELAY_SETS)))
+def test_replicate_train_parity_multi_group(rank_ctx, impl, point):
+    run_multi_group(rank_ctx, impl, delays=DELAY_SETS[point["delays"]], replicate=True)
+
+
+@conformance("replicate.parity.multi_group_cpu_offload")
+@pytest.mark.parametrize("point", grid(pin_memory=[True, False], delays=list(DELAY_SETS)))
+def test_replicate_train_parity_multi_group_cpu_offload(rank_ctx, impl, point):
+    run_multi_group(
+        rank_ctx,
+        impl,
+        delays=DELAY_SETS[point["delays"]],
+        offload_policy=impl.CPUOffloadPolicy(pin_memory=point["pin_memory"]),
+        replicate=True,
+    )
