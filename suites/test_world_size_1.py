@@ -1,0 +1,23 @@
+"""At world size 1 sharding is the identity and issues no collective at all (§2.15)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from suites.cases import conformance, grid
+from suites.test_training_parity import LIN_SHAPES, two_linears
+from suites.training import Expected, train_with_parity
+
+
+@conformance("fsdp.world_size_1")
+@pytest.mark.parametrize("point", grid(lin_shapes=list(LIN_SHAPES)))
+def test_train_parity_single_worldsize1(rank_ctx, impl, point):
+    label = point["lin_shapes"]
+    train_with_parity(
+        rank_ctx.rank,
+        two_linears(label),
+        impl.fully_shard,
+        lambda: torch.randn(4, LIN_SHAPES[label][0][0]),
+        expected=Expected(),
+    )
