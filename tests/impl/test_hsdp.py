@@ -1,4 +1,4 @@
-"""HSDP: ``fully_shard`` on a 2-D mesh ``(dp_replicate, dp_shard)`` (cases.md §2.12, §5.1 items 1, 4).
+"""HSDP: ``fully_shard`` on a 2-D mesh ``(dp_replicate, dp_shard)`` (cases.md §2.12, §5.1 1, 4).
 
 Parameters are ``(Replicate(), Shard(d))`` DTensors on the 2-D mesh. Per forward+backward each
 group all-gathers within ``dp_shard`` (once more in backward if resharded), reduce-scatters
