@@ -107,6 +107,31 @@ class FSDPModule:
         # optimizer step; the event is kept only so callers can set it.
         self._fsdp_state().post_optim_event = event
 
+    # --- gradient reduction (this module's group only, like FSDP2) -----------------------
+
+    def set_gradient_divide_factor(self, factor: float) -> None:
+        """Divide reduced gradients by ``factor`` instead of the number of data-parallel ranks."""
+        group = self._fsdp_state().group
+        if group is not None:
+            group.gradient_divide_factor = factor
+
+    def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
+        """Accepted for FSDP2's API; the reference always reduces with SUM and divides locally."""
+        group = self._fsdp_state().group
+        if group is not None:
+            group.force_sum_reduction_for_comms = enable
+
+    def _apply(self, *args: Any, **kwargs: Any) -> Any:
+        # module.to(dtype/device) converts whatever is registered: make that the sharded
+        # DTensors, then rebuild the group's buffers around their new local tensors.
+        group = self._fsdp_state().group
+        if group is not None:
+            group.reshard()
+        result = super()._apply(*args, **kwargs)  # type: ignore[misc]
+        if group is not None:
+            group.adopt_sharded_params()
+        return result
+
 
 class ReplicateModule(FSDPModule):
     """The mixin ``replicate`` uses; same methods, distinguishable by ``isinstance``."""
