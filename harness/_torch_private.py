@@ -255,3 +255,69 @@ def unbind_thread_c10d_world() -> None:
     world = _installed_thread_world
     if world is not None:
         world._local.state = None  # type: ignore[attr-defined]
+
+
+# --- DTensor caches that outlive the process groups they name (harness/hygiene.py) ----------
+#
+# DeviceMesh compares and hashes by value (ranks, layout, device type, dim names), not by
+# the process groups behind it. DTensor's sharding propagation caches its results keyed by
+# the input specs, meshes included, and a cached result carries the *mesh object* it was
+# computed with. After the harness destroys the groups a test created, the next test on
+# the same warm rank builds an equal mesh with new groups, hits the cache, and gets back a
+# DTensor on the old mesh, whose group names no longer resolve ("Could not resolve the
+# process group registered under the name 3"). The cache that does this is the C++ fast
+# path's, and it is per thread: it must be cleared on the thread that ran the test, and on
+# the autograd engine's device threads, which run backward for accelerator tensors.
+
+
+def forget_dtensor_caches(device_type: str = "cpu") -> bool:
+    """Drop every DTensor cache that can hold a mesh; False if DTensor was never imported.
+
+    Clears the calling thread's fast-path cache and the process-wide Python caches; with an
+    accelerator ``device_type`` also the fast-path cache of the autograd device thread
+    that runs backward on this rank's device.
+    """
+    import sys
+
+    require_audited_torch("forget_dtensor_caches")
+    if "torch.distributed.tensor" not in sys.modules:
+        return False
+    from torch.distributed.tensor import DTensor, _collective_utils, _redistribute
+
+    torch._C._clear_DTensor_sharding_propagator_cache()
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    propagator.propagate_op_sharding.cache_clear()
+    type(propagator)._propagate_tensor_meta_cached.cache_clear()
+    _redistribute._gen_transform_infos.cache_clear()
+    _redistribute.clear_redistribute_planner_cache()
+    _collective_utils.MeshTopoInfo.build_from_mesh.cache_clear()
+    if device_type != "cpu" and torch.autograd.is_multithreading_enabled():
+        _clear_fast_path_cache_on_device_thread(device_type)
+    return True
+
+
+class _ClearFastPathCacheInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        torch._C._clear_DTensor_sharding_propagator_cache()
+        return grad
+
+
+def _clear_fast_path_cache_on_device_thread(device_type: str) -> None:
+    # The engine runs a node on the worker thread of its gradient's device, so a backward
+    # through one element on this rank's current device reaches that thread's cache.
+    if not torch.accelerator.is_available():
+        return
+    device = torch.device(device_type, torch.accelerator.current_device_index())
+    leaf = torch.zeros(1, device=device, requires_grad=True)
+    _ClearFastPathCacheInBackward.apply(leaf).sum().backward()
+
+
+def dtensor_fast_path_cache_stats() -> tuple[int, int]:
+    """(hits, misses) of the calling thread's DTensor fast-path sharding cache (for tests)."""
+    require_audited_torch("dtensor_fast_path_cache_stats")
+    return tuple(torch._C._get_DTensor_sharding_propagator_cache_stats())  # type: ignore[return-value]

@@ -55,9 +55,13 @@ def take_snapshot() -> Snapshot:
     )
 
 
-def clean_up_after_test(before: Snapshot) -> list[str]:
-    """Destroy the groups the test created; return every hygiene violation found."""
-    violations = _destroy_new_groups(before)
+def clean_up_after_test(before: Snapshot, device_type: str = "cpu") -> list[str]:
+    """Destroy the groups the test created; return every hygiene violation found.
+
+    Call it on the thread that ran the test: DTensor's caches of meshes over the destroyed
+    groups are dropped with them, and one of those caches is per thread.
+    """
+    violations = _destroy_new_groups(before, device_type)
     violations += _leaked_threads(before)
     violations += _changed_env(before)
     violations += _changed_torch_globals(before)
@@ -73,17 +77,23 @@ def _changed_torch_globals(before: Snapshot) -> list[str]:
     ]
 
 
-def _destroy_new_groups(before: Snapshot) -> list[str]:
+def _destroy_new_groups(before: Snapshot, device_type: str) -> list[str]:
     if not dist.is_initialized():
         return ["the default process group was destroyed by the test"]
     violations = []
-    for group in _torch_private.iter_non_default_groups():
+    destroyed = 0
+    for group in list(_torch_private.iter_non_default_groups()):
         if id(group) in before.groups:
             continue
         try:
             dist.destroy_process_group(group)
+            destroyed += 1
         except Exception as exc:
             violations.append(f"could not destroy a process group the test created: {exc}")
+    if destroyed:
+        # DTensor caches results by mesh *value*: the next test's equal mesh would get
+        # back this test's mesh object, whose groups are gone (issue 3).
+        _torch_private.forget_dtensor_caches(device_type)
     return violations
 
 

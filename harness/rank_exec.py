@@ -95,7 +95,7 @@ def run_task_in_process(task: RankTask, ctx: RankContext, trace_dir: str | None)
             f"rank {result.rank} exceeded its memory limit of "
             f"{memory.format_size(task.memory_limit)}"
         )
-    result.hygiene = hygiene.clean_up_after_test(before)
+    result.hygiene = hygiene.clean_up_after_test(before, ctx.device_type)
     return result
 
 

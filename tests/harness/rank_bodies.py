@@ -116,3 +116,24 @@ def allocate_on(bad_rank: int, megabytes: int) -> int:
 
 def leak_a_torch_global() -> None:
     torch.set_default_dtype(torch.float64)
+
+
+def fsdp_resharded_to_two_then_gathered() -> tuple[list[str], float]:
+    """torch's fully_shard resharding to groups of 2 after forward (a sub-mesh of new groups).
+
+    Returns the group names of the mesh the weight ends up on and the gathered weight's sum:
+    a warm rank that kept the previous test's DTensor caches returns that test's mesh, whose
+    groups the harness has destroyed, and ``full_tensor`` cannot resolve them.
+    """
+    from torch import nn
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = nn.Linear(4, 8)
+    expected = model.weight.detach().sum().item()
+    fully_shard(model, reshard_after_forward=2)
+    model(torch.ones(2, 4))
+    mesh = model.weight.device_mesh
+    full = model.weight.full_tensor()
+    assert abs(full.sum().item() - expected) < 1e-5, (full.sum().item(), expected)
+    return [mesh.get_group(dim).group_name for dim in range(mesh.ndim)], full.sum().item()

@@ -92,3 +92,20 @@ def test_a_pool_whose_ranks_died_while_idle_is_replaced_not_blamed(pools):
     after = run(pools, rank_bodies.all_reduce_rank_sum)
     assert after.ok and after.values == [10.0] * 4
     assert pools.spawn_count == 2
+
+
+def test_torch_fsdp_resharding_to_a_sub_mesh_passes_twice_on_one_pool(pools):
+    # Issue 3: DTensor's caches kept the first test's mesh, whose groups the harness had
+    # destroyed; the second test failed with "Could not resolve the process group".
+    first = run(pools, rank_bodies.fsdp_resharded_to_two_then_gathered)
+    assert first.ok, first.results
+    second = run(pools, rank_bodies.fsdp_resharded_to_two_then_gathered)
+    assert second.ok, [r.error_message for r in second.results]
+    for (names_before, total_before), (names_after, total_after) in zip(
+        first.values, second.values, strict=True
+    ):
+        # New groups for the second mesh: the old names were destroyed with the first test.
+        assert not set(names_before) & set(names_after), (names_before, names_after)
+        assert total_before == total_after
+    assert first.hygiene_violations == second.hygiene_violations == {}
+    assert pools.spawn_count == 1 and pools.recycle_count == 0

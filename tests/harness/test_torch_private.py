@@ -37,3 +37,25 @@ def test_every_accessor_refuses_an_unaudited_torch(monkeypatch, version):
 
 def test_the_installed_torch_is_audited():
     assert _torch_private.installed_torch_version() in _torch_private.AUDITED_TORCH
+
+
+@pytest.mark.world_size(2)
+def test_forget_dtensor_caches_empties_this_threads_fast_path_cache(rank_ctx):
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = rank_ctx.mesh(2)
+    sharded = distribute_tensor(torch.ones(4, 2), mesh, [Shard(0)])
+    sharded + 1
+    sharded + 1  # the same schema again: a fast-path cache hit
+    hits, misses = _torch_private.dtensor_fast_path_cache_stats()
+    assert hits >= 1, (hits, misses)
+    assert _torch_private.forget_dtensor_caches(rank_ctx.device_type) is True
+    assert _torch_private.dtensor_fast_path_cache_stats() == (0, 0)
+    sharded + 1
+    assert _torch_private.dtensor_fast_path_cache_stats() == (0, 1)
+
+
+def test_forget_dtensor_caches_refuses_an_unaudited_torch(monkeypatch):
+    monkeypatch.setattr(torch, "__version__", "2.14.0")
+    with pytest.raises(_torch_private.PrivateTorchAccessError, match="forget_dtensor_caches"):
+        _torch_private.forget_dtensor_caches()
