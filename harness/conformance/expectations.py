@@ -40,16 +40,16 @@ class ExpectationsError(ValueError):
 def matches(pattern: str, nodeid: str) -> bool:
     """Whether a test-id pattern selects ``nodeid``.
 
-    A pattern is a glob over the whole id (``*`` also crosses ``/`` and ``::``), or, without
-    glob characters, the exact id or a prefix of it ending where the id continues with
+    A pattern is the exact id, a glob over the whole id (``*`` also crosses ``/`` and
+    ``::``), or, without glob characters, a prefix of the id ending where the id continues with
     ``::`` (a file or class) or ``[`` (every parametrization of one test). The prefix rule
     means ``suites/test_x.py::test_y`` selects ``test_y[ws2]`` and ``test_y[ws4]``; a
     literal ``[`` is written ``[[]`` as in any glob.
     """
-    if _GLOB_CHARS & set(pattern):
-        return fnmatch.fnmatchcase(nodeid, pattern)
     if nodeid == pattern:
         return True
+    if _GLOB_CHARS & set(pattern):
+        return fnmatch.fnmatchcase(nodeid, pattern)
     return nodeid.startswith(pattern) and nodeid[len(pattern) :].startswith(("::", "["))
 
 

@@ -83,11 +83,13 @@ def _skip_reason(report: pytest.TestReport) -> str:
 
 
 def _crash_message(report: pytest.TestReport) -> str:
+    """One line: the exception's message (a distributed failure's root-cause line)."""
     crash = getattr(report.longrepr, "reprcrash", None)
-    if crash is not None and getattr(crash, "message", None):
-        return str(crash.message).strip()
-    lines = [line for line in report.longreprtext.splitlines() if line.strip()]
-    return lines[-1].strip() if lines else ""
+    text = str(getattr(crash, "message", "") or "").strip()
+    if not text:  # a plain-text report (e.g. a pool that did not start): its first line
+        lines = [line for line in report.longreprtext.splitlines() if line.strip()]
+        text = lines[0].strip() if lines else ""
+    return text.splitlines()[0] if text else ""
 
 
 class Recorder:
@@ -122,9 +124,10 @@ class Recorder:
             return
         result.when = report.when
         entry = self._expected.get(report.nodeid)
+        wasxfail = getattr(report, "wasxfail", None)
         if entry is not None:
             result.category, result.link = entry.category, entry.link
-        wasxfail = getattr(report, "wasxfail", None)
+            wasxfail = entry.reason if wasxfail is not None else None
         if report.failed:
             self._fail(result, report)
         elif report.passed:

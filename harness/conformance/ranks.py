@@ -1,0 +1,70 @@
+"""Running a function on ranks from inside an ordinary pytest test, on the session's pools.
+
+A Hypothesis test draws its examples in the pytest process (Hypothesis cannot run one body
+per rank), then ships each example to the ranks with :func:`run_in_session`. Using the
+session's :class:`~harness.pools.PoolManager` keeps the ranks warm across examples, where
+``harness.run_on_ranks`` would start and stop a pool for every one.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from harness.config import resolve_backend
+from harness.deadline import pg_timeout_for
+from harness.outcomes import Outcome
+from harness.pools import PoolKey, env_fingerprint
+from harness.report import DistributedFailure
+from harness.task import RankTask, pack_call
+
+
+def run_in_session(
+    config: pytest.Config,
+    fn: Callable[..., Any],
+    world_size: int,
+    kwargs: dict[str, Any] | None = None,
+    *,
+    launcher: str = "thread",
+    deadline: float = 120.0,
+    context: str = "",
+) -> list[Any]:
+    """``fn(**kwargs)`` on ``world_size`` CPU ranks; every rank's return value, in rank order.
+
+    Raises :class:`harness.DistributedFailure` (the full per-rank report) unless every rank
+    passed. ``fn`` must be defined at module level and ``kwargs`` must pickle.
+    """
+    from harness.plugin import SETTINGS_KEY
+    from harness.pytest_run import POOLS_KEY
+
+    settings = config.stash[SETTINGS_KEY]
+    pools = config.stash.get(POOLS_KEY, None)
+    if pools is None or settings.launcher == "external":
+        from harness.api import run_on_ranks
+
+        return run_on_ranks(fn, world_size, (), kwargs, launcher=launcher, deadline=deadline)
+    payload, modules = pack_call(fn, (), dict(kwargs or {}))
+    task = RankTask(
+        test_id=context or getattr(fn, "__qualname__", repr(fn)),
+        payload=payload,
+        modules=modules,
+        sys_path=tuple(p for p in sys.path if p),
+        seed=settings.seed,
+        pg_timeout=pg_timeout_for(deadline),
+    )
+    key = PoolKey(
+        launcher=launcher,
+        world_size=world_size,
+        backend=resolve_backend(launcher, None, "cpu"),
+        device_type="cpu",
+        threads_per_rank=settings.threads_for(world_size),
+        rendezvous=settings.rendezvous,
+        env_fingerprint=env_fingerprint(),
+    )
+    run = pools.run(key, task, deadline=deadline, peer_grace=settings.peer_grace)
+    if not run.ok or run.by_outcome(Outcome.SKIPPED, Outcome.XFAILED):
+        raise DistributedFailure(run, context=context or f"ws {world_size}", reproducer=None)
+    return run.values

@@ -1,0 +1,223 @@
+"""A vendor's run, out of tree: its own implementation, backend and expectations file.
+
+One ``python -m harness conformance`` subprocess runs a small test module against a package
+built in a temp dir (``acme_fsdp:implementation``, a ``--backend-plugin`` that registers the
+c10d backend ``acmegloo``, an expectations file); every test below checks one aspect of
+that run's report, so the run is paid for once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+ACME_FSDP = """
+from impl.reference import ReferenceImplementation
+
+
+class AcmeFSDP(ReferenceImplementation):
+    name = "acme-fsdp"
+    capabilities = frozenset({"gradient_accumulation"})
+
+
+def implementation():
+    return AcmeFSDP()
+"""
+
+ACME_BACKEND = """
+import torch.distributed as dist
+
+
+def _create(store, rank, world_size, timeout):
+    return dist.ProcessGroupGloo(store, rank, world_size, timeout)
+
+
+dist.Backend.register_backend("acmegloo", _create, devices=["cpu"])
+"""
+
+ACME_TESTS = """
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+
+
+@pytest.mark.world_size(2)
+def test_ranks_run_the_vendor_implementation_on_its_backend(rank_ctx, impl):
+    assert type(impl).__module__ == "acme_fsdp" and impl.name == "acme-fsdp"
+    assert dist.get_backend() == "acmegloo" and "acme_backend" in sys.modules
+    value = torch.ones(1)
+    dist.all_reduce(value)
+    assert value.item() == 2
+
+
+@pytest.mark.world_size(2)
+def test_known_difference(rank_ctx):
+    assert rank_ctx.rank == 0, "rank 1 disagrees"
+
+
+@pytest.mark.world_size(2)
+def test_fixed_difference(rank_ctx):
+    pass
+
+
+def test_unlisted_failure():
+    assert 1 == 2, "a real failure"
+
+
+def test_needs_hsdp(impl):
+    if not impl.supports("hsdp"):
+        pytest.skip("UNSUPPORTED: needs capability hsdp")
+
+
+def test_cuda_graphs():
+    pytest.skip("CPU: CUDA graphs need an accelerator")
+
+
+def test_tolerance_in_parent(conformance_tolerance):
+    assert conformance_tolerance.resolve(1e-6, 1e-5) == {"rtol": 0.5, "atol": 1e-5}
+
+
+@pytest.mark.world_size(2)
+def test_tolerance_on_ranks(rank_ctx, conformance_tolerance):
+    assert conformance_tolerance.rtol == 0.5 and conformance_tolerance.reason == "loose"
+"""
+
+EXPECTATIONS = """
+[[xfail]]
+id = "acme_tests/test_acme.py::test_known_difference"
+reason = "rank 1 disagrees on purpose"
+category = "COMM"
+link = "https://example.invalid/acme/1"
+
+[[xfail]]
+id = "acme_tests/test_acme.py::test_fixed_difference[ws2]"
+reason = "fixed since"
+category = "NUMERICS"
+
+[[xfail]]
+id = "acme_tests/test_acme.py::test_renamed_long_ago"
+reason = "stale"
+
+[[tolerance]]
+id = "acme_tests/test_acme.py::test_tolerance_*"
+rtol = 0.5
+reason = "loose"
+"""
+
+
+@pytest.fixture(scope="module")
+def vendor_run(tmp_path_factory) -> tuple[subprocess.CompletedProcess, dict, Path]:
+    root = tmp_path_factory.mktemp("vendor")
+    (root / "acme_fsdp").mkdir()
+    (root / "acme_fsdp" / "__init__.py").write_text(textwrap.dedent(ACME_FSDP))
+    (root / "acme_backend.py").write_text(textwrap.dedent(ACME_BACKEND))
+    (root / "acme_tests").mkdir()
+    (root / "acme_tests" / "test_acme.py").write_text(textwrap.dedent(ACME_TESTS))
+    (root / "acme.toml").write_text(EXPECTATIONS)
+    (root / "pytest.ini").write_text("[pytest]\n")
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(root), str(REPO), env.get("PYTHONPATH", "")])
+    env.pop("DISTCONFORM_IMPL", None)
+    command = [
+        sys.executable, "-m", "harness", "conformance",
+        "--impl", "acme_fsdp:implementation",
+        "--backend", "acmegloo",
+        "--backend-plugin", "acme_backend",
+        "--expectations", "acme.toml",
+        "--out", "report",
+        "acme_tests/test_acme.py", "-p", "no:cacheprovider", "--dist-peer-grace", "0.5",
+    ]  # fmt: skip
+    done = subprocess.run(
+        command, cwd=root, env=env, capture_output=True, text=True, timeout=240, check=False
+    )
+    report_file = root / "report" / "conformance.json"
+    assert report_file.exists(), done.stdout + done.stderr
+    return done, json.loads(report_file.read_text()), root
+
+
+def statuses(report: dict) -> dict[str, str]:
+    return {test["nodeid"].split("::")[1]: test["status"] for test in report["tests"]}
+
+
+def test_every_test_gets_its_status(vendor_run):
+    done, report, _ = vendor_run
+    assert statuses(report) == {
+        "test_ranks_run_the_vendor_implementation_on_its_backend[ws2]": "PASS",
+        "test_known_difference[ws2]": "XFAIL",
+        "test_fixed_difference[ws2]": "XPASS",
+        "test_unlisted_failure": "FAIL",
+        "test_needs_hsdp": "UNSUPPORTED",
+        "test_cuda_graphs": "SKIP",
+        "test_tolerance_in_parent": "PASS",
+        "test_tolerance_on_ranks[ws2]": "PASS",
+    }, done.stdout
+    assert done.returncode == 1  # the unlisted failure fails the run; XFAIL and XPASS do not
+    summary = report["summary"]
+    assert summary["counts"] == {
+        "PASS": 3, "FAIL": 1, "XFAIL": 1, "XPASS": 1, "UNSUPPORTED": 1, "SKIP": 1,
+    }  # fmt: skip
+    assert summary["conformance_percent"] == pytest.approx(100 * 4 / 6)
+
+
+def test_the_report_names_the_vendor_implementation_and_backend(vendor_run):
+    done, report, root = vendor_run
+    env = report["environment"]
+    assert (report["schema"], report["schema_version"]) == ("distconform-conformance", 1)
+    assert env["implementation"]["name"] == "acme-fsdp"
+    assert env["implementation"]["spec"] == "acme_fsdp:implementation"
+    assert env["implementation"]["capabilities"] == ["gradient_accumulation"]
+    assert (env["backend"], env["device"], env["launcher"]) == ("acmegloo", "cpu", "process")
+    assert env["backend_plugins"] == ["acme_backend"]
+    assert env["torch_version"] and env["date"] and env["seed"] == 0
+    markdown = (root / "report" / "conformance.md").read_text()
+    assert "# Conformance report: acme-fsdp" in markdown
+    assert "implementation: acme-fsdp (spec acme_fsdp:implementation)" in done.stdout
+    junit = (root / "report" / "conformance.junit.xml").read_text()
+    assert "test_ranks_run_the_vendor_implementation_on_its_backend" in junit
+
+
+def test_xfail_entries_carry_category_link_and_evidence(vendor_run):
+    _, report, _ = vendor_run
+    by_name = {test["nodeid"].split("::")[1]: test for test in report["tests"]}
+    known = by_name["test_known_difference[ws2]"]
+    assert (known["category"], known["link"]) == ("COMM", "https://example.invalid/acme/1")
+    assert "rank 1 disagrees" in known["message"] + known["detail"]
+    assert by_name["test_fixed_difference[ws2]"]["category"] == "NUMERICS"
+    assert by_name["test_needs_hsdp"]["reason"] == "UNSUPPORTED: needs capability hsdp"
+
+
+def test_stale_entries_are_warned_about_with_file_and_line(vendor_run):
+    done, report, _ = vendor_run
+    assert "acme.toml:14: StaleExpectationWarning" in done.stdout, done.stdout
+    assert "test_renamed_long_ago" in done.stdout
+    assert [e["id"] for e in report["stale_expectations"]] == [
+        "acme_tests/test_acme.py::test_renamed_long_ago"
+    ]
+
+
+def test_the_terminal_shows_the_table_per_feature_and_world_size(vendor_run):
+    done, _, _ = vendor_run
+    # The feature is the module path without its top directory and "test_".
+    rows = {
+        cells[2]: cells[3:10]
+        for line in done.stdout.splitlines()
+        if line.startswith("| acme ")
+        for cells in [[cell.strip() for cell in line.split("|")]]
+    }
+    #                PASS FAIL XFAIL XPASS UNSUPPORTED SKIP conformance
+    assert rows == {
+        "-": ["1", "1", "0", "0", "1", "1", "50.0 %"],
+        "2": ["2", "0", "1", "1", "0", "0", "75.0 %"],
+    }, done.stdout
+    total = next(line for line in done.stdout.splitlines() if line.startswith("| **total**"))
+    assert "66.7 %" in total
