@@ -118,8 +118,10 @@ def parse_cases(text: str, *, known_capabilities: Iterable[str] | None = None) -
         cpu = row.get("cpu", True)
         if not cpu and not str(row.get("cpu_reason", "")).startswith(CPU_PREFIX):
             raise ValueError(f"case {case_id!r}: cpu = false needs a cpu_reason starting 'CPU:'")
-        param_requires = {k: _tuple(v, f"{case_id}.param_requires") for k, v in
-                          row.get("param_requires", {}).items()}
+        param_requires = {
+            k: _tuple(v, f"{case_id}.param_requires")
+            for k, v in row.get("param_requires", {}).items()
+        }
         cpu_skip = dict(row.get("cpu_skip", {}))
         for token, reason in cpu_skip.items():
             if not reason.startswith(CPU_PREFIX):

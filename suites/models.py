@@ -171,3 +171,24 @@ class TiedModel(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return self.output(self.tok_embeddings(ids))
+
+
+class ChunkedHeadModel(nn.Module):
+    """Embedding, body, RMSNorm and a vocabulary head; ``skip_head`` returns the hidden state.
+
+    Lets a caller run the head by itself per chunk of the hidden state (the partial-group
+    forward of cases.md §2.5); ``tie`` shares the head's weight with the embedding.
+    """
+
+    def __init__(self, dim: int = 32, vocab_size: int = 128, tie: bool = False) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab_size, dim)
+        self.body = nn.Linear(dim, dim, bias=False)
+        self.norm = nn.RMSNorm(dim)
+        self.head = nn.Linear(dim, vocab_size, bias=False)
+        if tie:
+            self.head.weight = self.embed.weight
+
+    def forward(self, tokens: torch.Tensor, *, skip_head: bool = False) -> torch.Tensor:
+        h = self.norm(self.body(self.embed(tokens)))
+        return h if skip_head else self.head(h)

@@ -58,9 +58,7 @@ def run_single_group(rank_ctx, distribute, label: str, expected: Expected) -> No
 @conformance("fsdp.parity.single_group")
 @pytest.mark.parametrize("point", grid(lin_shapes=list(LIN_SHAPES)))
 def test_train_parity_single_group_shard_dim0(rank_ctx, impl, point):
-    run_single_group(
-        rank_ctx, impl.fully_shard, point["lin_shapes"], Expected.sharded(1, 0)
-    )
+    run_single_group(rank_ctx, impl.fully_shard, point["lin_shapes"], Expected.sharded(1, 0))
 
 
 @conformance("fsdp.parity.single_group_largest_dim")

@@ -111,8 +111,9 @@ def train_with_parity(
     Losses are compared every step; parameters and gradients are compared shard by shard
     every step before ``step()`` and after it; collective counts per forward+backward when
     ``expected`` is given. ``model_context`` wraps the distributed model's forward and
-    backward only (delay injection must not slow the reference's own all-reduces). The reference is copied before ``distribute`` runs, so
-    structural wrappers that ``distribute`` adds show up in ``prefixes_to_ignore``.
+    backward only (delay injection must not slow the reference's own all-reduces). The
+    reference is copied before ``distribute`` runs, so structural wrappers that
+    ``distribute`` adds show up in ``prefixes_to_ignore``.
     """
     reference = ReferenceModel(model, make_optimizer, group=reference_group)
     distribute(model)

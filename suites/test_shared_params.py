@@ -1,0 +1,144 @@
+"""Shared (tied) parameters (§2.8, §3.6).
+
+* parity: a weight-tied Transformer, blocks optionally checkpointed, 10 steps;
+* uneven shard: a tied 17-row weight over 4 ranks (the last rank holds padding) trains
+  every row, padded rows included;
+* tied parameters in two groups raise ``ValueError`` ("already managed by another") at the
+  first forward;
+* sharding layer by layer while building the model (with ``gc.collect()`` between, so
+  ``id()``s of freed objects are reused) raises no false duplicate-parameter error and trains
+  like the plain model.
+"""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from harness.parity import assert_losses_equal, assert_sharded_parity, average_gradients
+from suites.cases import conformance, grid
+from suites.models import ModelArgs, TiedModel, Transformer
+from suites.training import Expected, adamw, checkpoint_in_place, train_with_parity
+
+
+def tied_transformer() -> Transformer:
+    return Transformer(ModelArgs(n_layers=3, dropout_p=0.0, weight_tying=True))
+
+
+def run_shared_parity(rank_ctx, manage, ac: bool) -> None:
+    def distribute(model: nn.Module) -> None:
+        for layer in model.layers:
+            if ac:
+                checkpoint_in_place(layer)
+            manage(layer)
+        manage(model)
+
+    train_with_parity(
+        rank_ctx.rank, tied_transformer(), distribute, lambda: torch.randint(0, 8, (2, 16))
+    )
+
+
+@conformance("fsdp.shared_params.parity")
+@pytest.mark.parametrize("point", grid(raf=[False, True], ac=[False, True]))
+def test_train_parity_with_shared_params(rank_ctx, impl, point):
+    run_shared_parity(
+        rank_ctx, lambda m: impl.fully_shard(m, reshard_after_forward=point["raf"]), point["ac"]
+    )
+
+
+@conformance("replicate.shared_params.parity")
+@pytest.mark.parametrize("point", grid(ac=[False, True]))
+def test_replicate_train_parity_with_shared_params(rank_ctx, impl, point):
+    run_shared_parity(rank_ctx, impl.replicate, point["ac"])
+
+
+@conformance("fsdp.shared_params.uneven_shard_every_row")
+@pytest.mark.parametrize("point", grid(raf=[True, False]))
+def test_train_shared_params_uneven_shard(rank_ctx, impl, point):
+    raf = point["raf"]
+    vocab = rank_ctx.world_size * 4 + 1  # 17 rows over 4 ranks: the last rank holds 2 of 5
+    model = TiedModel(vocab, 16)
+
+    def distribute(m: nn.Module) -> None:
+        impl.fully_shard([m.tok_embeddings, m.output], reshard_after_forward=raf)
+        impl.fully_shard(m, reshard_after_forward=raf)
+
+    def cross_entropy(m: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(m(ids).view(-1, vocab).float(), ids.view(-1))
+
+    initial = model.tok_embeddings.weight.detach().clone()
+    train_with_parity(
+        rank_ctx.rank,
+        model,
+        distribute,
+        lambda: torch.randint(0, vocab, (2, 8)),
+        expected=Expected.sharded(1, 0 if raf is False else 1),
+        loss_fn=cross_entropy,
+        make_optimizer=adamw,
+        seed_offset=0,
+    )
+    model.tok_embeddings.unshard()
+    final = model.tok_embeddings.weight.detach().clone()
+    model.tok_embeddings.reshard()
+    unchanged = [row for row in range(vocab) if torch.equal(final[row], initial[row])]
+    assert not unchanged, f"rows {unchanged} of the tied weight did not train"
+
+
+@conformance("fsdp.shared_params.separate_groups_error")
+def test_shared_params_separate_fsdp_groups_error(rank_ctx, impl):
+    model = TiedModel(17, 16)
+    impl.fully_shard(model.tok_embeddings)
+    impl.fully_shard(model.output)
+    impl.fully_shard(model)
+    with pytest.raises(ValueError, match="already managed by another"):
+        model(torch.randint(0, 17, (2, 8)))
+
+
+class SimpleBlock(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.proj = nn.Linear(dim, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(self.norm(x))
+
+
+class BlockStack(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+@conformance("fsdp.shared_params.layer_by_layer")
+def test_layer_by_layer_shard_no_false_positive(rank_ctx, impl):
+    dim, n_blocks = 16, 8
+    reference = BlockStack()
+    for index in range(n_blocks):
+        torch.manual_seed(index)
+        reference.blocks.append(SimpleBlock(dim))
+    model = BlockStack()
+    for index in range(n_blocks):
+        torch.manual_seed(index)
+        block = SimpleBlock(dim).to(rank_ctx.device)
+        model.blocks.append(block)
+        impl.fully_shard(block)
+        gc.collect()
+    impl.fully_shard(model)
+    torch.manual_seed(42 + rank_ctx.rank)
+    x = torch.randn(2, 4, dim)
+    losses = [m(x).sum() for m in (model, reference)]
+    for loss in losses:
+        loss.backward()
+    assert_losses_equal(0, *losses)
+    average_gradients(reference)
+    assert_sharded_parity(reference, model)
