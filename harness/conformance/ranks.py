@@ -65,6 +65,10 @@ def run_in_session(
         env_fingerprint=env_fingerprint(),
     )
     run = pools.run(key, task, deadline=deadline, peer_grace=settings.peer_grace)
+    if run.results and all(r.outcome is Outcome.NOT_STARTED for r in run.results):
+        # The pool never started (e.g. the fork server did not answer on a loaded machine):
+        # no rank ran the example, so it says nothing about it. One more try, on a new pool.
+        run = pools.run(key, task, deadline=deadline, peer_grace=settings.peer_grace)
     if not run.ok or run.by_outcome(Outcome.SKIPPED, Outcome.XFAILED):
         raise DistributedFailure(run, context=context or f"ws {world_size}", reproducer=None)
     return run.values

@@ -16,6 +16,11 @@ import shlex
 from typing import Any
 
 import pytest
+
+pytest.importorskip(
+    "hypothesis", reason="the property cases need hypothesis (pip install '.[test]')"
+)
+
 import torch
 from hypothesis import given
 from torch import nn
