@@ -1,0 +1,104 @@
+"""HSDP training: shard within a replica group, all-reduce across replicas (§2.12).
+
+Mesh ``(replicate, shard)`` = ``(ws // 2, 2)`` named ``("dp_replicate", "dp_shard")``. Every
+child (the LayerNorm too), optionally checkpointed, is its own group, then the root. 5
+iterations of 3 microbatches, optionally syncing gradients only on the last; losses per
+microbatch, gradients and parameters per iteration, and the collectives: one reduce-scatter
+and one all-reduce per group per synced backward. ``offload=none`` is added to the upstream
+grid so that HSDP is checked without CPU offload too.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections import Counter
+
+import pytest
+import torch
+from torch import nn
+from torch.distributed.tensor import Replicate, Shard
+
+from harness.parity import assert_losses_equal, assert_sharded_parity, average_gradients
+from suites.cases import conformance, grid
+from suites.models import MLP
+from suites.training import Expected, adam, checkpoint_in_place, counting, zero_grad
+
+ITERATIONS, MICROBATCHES = 5, 3
+GROUPS = 4  # the LayerNorm and three MLPs; the root owns no parameters
+
+
+def expected_counts(raf: bool, sync_last: bool) -> Expected:
+    synced = 1 if sync_last else MICROBATCHES
+    gathers_per_microbatch = 2 * GROUPS if raf else GROUPS
+    return Expected(
+        all_gather=gathers_per_microbatch * MICROBATCHES,
+        reduce_scatter=GROUPS * synced,
+        all_reduce=GROUPS * synced,
+    )
+
+
+@conformance("fsdp.hsdp.parity")
+@pytest.mark.parametrize(
+    "point",
+    grid(
+        raf=[True, False],
+        ac=[False, True],
+        mlp_dim=[3, 16, 17],
+        sync_last=[True, False],
+        offload=["none", "cpu", "cpu_pinned"],
+    ),
+)
+def test_train_parity_hsdp(rank_ctx, impl, point):
+    ws = rank_ctx.world_size
+    shard = 2 if ws > 2 else 1
+    mesh = rank_ctx.mesh((ws // shard, shard), ("dp_replicate", "dp_shard"))
+    dim, raf = point["mlp_dim"], point["raf"]
+    offload = (
+        None
+        if point["offload"] == "none"
+        else impl.CPUOffloadPolicy(pin_memory=point["offload"] == "cpu_pinned")
+    )
+    torch.manual_seed(42)
+    model = nn.Sequential(
+        nn.LayerNorm(dim, bias=False),
+        MLP(dim, dim_multiplier=3),
+        MLP(dim),
+        MLP(dim, dim_multiplier=3),
+    )
+    reference = copy.deepcopy(model)
+    for child in model:
+        if point["ac"]:
+            checkpoint_in_place(child)
+        impl.fully_shard(child, mesh=mesh, reshard_after_forward=raf, offload_policy=offload)
+    impl.fully_shard(model, mesh=mesh, reshard_after_forward=raf, offload_policy=offload)
+    for p in model.parameters():
+        assert p.placements == (Replicate(), Shard(0)), f"HSDP placements {p.placements}"
+    optimizer, ref_optimizer = adam(model.parameters()), adam(reference.parameters())
+    assert_sharded_parity(reference, model, check_grads=False)
+    expected = expected_counts(raf, point["sync_last"])
+
+    torch.manual_seed(42 + rank_ctx.rank + 1)
+    for iteration in range(ITERATIONS):
+        counts: Counter[str] = Counter()
+        for microbatch in range(MICROBATCHES):
+            last = microbatch == MICROBATCHES - 1
+            if point["sync_last"]:
+                model.set_requires_gradient_sync(last)
+            inp = torch.randn(8, dim)
+            with counting() as trace:
+                loss = model(inp).sum()
+                loss.backward()
+            counts.update(trace.counts("kind"))
+            ref_loss = reference(inp).sum()
+            ref_loss.backward()
+            assert_losses_equal(iteration * MICROBATCHES + microbatch, loss, ref_loss)
+        actual = {kind: n for kind, n in counts.items() if n}
+        assert actual == expected.as_counts(), (
+            f"iteration {iteration}: collectives {actual}, expected {expected.as_counts()}"
+        )
+        average_gradients(reference)
+        assert_sharded_parity(reference, model)
+        for opt in (optimizer, ref_optimizer):
+            opt.step()
+            zero_grad(opt, iteration)
+        assert_sharded_parity(reference, model, check_grads=False)
