@@ -4,10 +4,13 @@
   whose parameter id is listed stay in the default run; the others are marked ``slow``.
   (World sizes are the harness's own parametrization, so per-size ``slow`` marks cannot be
   put on ``pytest.param`` values.)
+* ``@pytest.mark.cpu_skip("why")``: skipped on a CPU run with the reason ``CPU: why``; it runs
+  where the ranks have an accelerator.
 * Capabilities: a test (or one of its ``pytest.param`` values) says what it needs with
-``@pytest.mark.requires_capabilities("pp", "dcp")``; the marks of an item are unioned, and an
-item whose implementation does not declare all of them is skipped before any rank starts,
-with the reason ``UNSUPPORTED: needs capability <names>`` (the prefix the report relies on).
+  ``@pytest.mark.requires_capabilities("pp", "dcp")``; the marks of an item are unioned, and
+  an item whose implementation does not declare all of them is skipped before any rank
+  starts, with the reason ``UNSUPPORTED: needs capability <names>`` (the prefix the report
+  relies on).
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ from suites.plugin import selected_spec
 
 MARKER = "requires_capabilities"
 DEFAULT_RUN_MARKER = "default_run"
+CPU_SKIP_MARKER = "cpu_skip"
+CPU_PREFIX = "CPU:"
 UNSUPPORTED_PREFIX = "UNSUPPORTED:"
 
 
@@ -31,6 +36,9 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers",
         f"{DEFAULT_RUN_MARKER}(*param_ids): the only items of this test kept out of 'slow'",
+    )
+    config.addinivalue_line(
+        "markers", f"{CPU_SKIP_MARKER}(reason): cannot run on CPU; skipped there with 'CPU: reason'"
     )
 
 
@@ -56,6 +64,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         callspec = getattr(item, "callspec", None)
         if keep is not None and callspec is not None and callspec.id not in keep.args:
             item.add_marker(pytest.mark.slow)
+    if (config.getoption("device") or "cpu") == "cpu":
+        for item in items:
+            cpu_skip = item.get_closest_marker(CPU_SKIP_MARKER)
+            if cpu_skip is not None:
+                item.add_marker(pytest.mark.skip(reason=f"{CPU_PREFIX} {cpu_skip.args[0]}"))
     gated = [item for item in items if item.get_closest_marker(MARKER) is not None]
     if not gated:
         return
