@@ -165,8 +165,8 @@ class ConformancePlugin:
 
     @pytest.hookimpl(trylast=True)
     def pytest_sessionfinish(self, session: pytest.Session) -> None:
-        if not self.reporting:
-            return
+        if not self.reporting or hasattr(self.config, "workerinput"):
+            return  # a pytest-xdist worker: the controller sees every report and writes
         environment = conformance_report.environment_of(self.config, self.spec, self.expectations)
         self.report = self.recorder.build(environment, self.stale)
         if self.out_dir is not None:

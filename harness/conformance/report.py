@@ -22,6 +22,7 @@ import datetime
 import json
 import os
 import platform
+import re
 import sys
 from collections import Counter, defaultdict
 from dataclasses import asdict, dataclass, field
@@ -59,12 +60,25 @@ def feature_of(item: pytest.Item) -> str:
     marker = item.get_closest_marker("feature")
     if marker is not None and marker.args:
         return str(marker.args[0])
-    parts = item.nodeid.split("::", 1)[0].split("/")
+    return feature_from_nodeid(item.nodeid)
+
+
+def feature_from_nodeid(nodeid: str) -> str:
+    parts = nodeid.split("::", 1)[0].split("/")
     if len(parts) > 1:
         parts = parts[1:]
     stem = parts[-1].removesuffix(".py")
     parts[-1] = stem.removeprefix("test_")
     return "/".join(parts)
+
+
+_WORLD_SIZE_ID = re.compile(r"\[(?:[^\]]*-)?ws(\d+)(?:-|\])")
+
+
+def world_size_from_nodeid(nodeid: str) -> int | None:
+    """The ``wsN`` part of a parametrized id (for reports from pytest-xdist workers)."""
+    found = _WORLD_SIZE_ID.search(nodeid)
+    return int(found.group(1)) if found else None
 
 
 def _world_size(item: pytest.Item) -> int | None:
@@ -111,8 +125,10 @@ class Recorder:
             return  # e.g. "rerun": only the final attempt counts
         result = self.results.get(report.nodeid)
         if result is None:
+            # Items collected elsewhere (pytest-xdist workers) are described from their id.
             feature, world_size = self._items.get(
-                report.nodeid, (report.nodeid.split("::", 1)[0], None)
+                report.nodeid,
+                (feature_from_nodeid(report.nodeid), world_size_from_nodeid(report.nodeid)),
             )
             result = self.results[report.nodeid] = TestResult(report.nodeid, feature, world_size)
         result.duration_s += report.duration
