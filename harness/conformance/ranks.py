@@ -31,11 +31,13 @@ def run_in_session(
     launcher: str = "thread",
     deadline: float = 120.0,
     context: str = "",
+    fresh: bool = False,
 ) -> list[Any]:
     """``fn(**kwargs)`` on ``world_size`` CPU ranks; every rank's return value, in rank order.
 
     Raises :class:`harness.DistributedFailure` (the full per-rank report) unless every rank
-    passed. ``fn`` must be defined at module level and ``kwargs`` must pickle.
+    passed. ``fn`` must be defined at module level and ``kwargs`` must pickle. ``fresh``
+    runs it on ranks of its own (for state that outlives the harness's group teardown).
     """
     from harness.plugin import SETTINGS_KEY
     from harness.pytest_run import POOLS_KEY
@@ -64,11 +66,11 @@ def run_in_session(
         rendezvous=settings.rendezvous,
         env_fingerprint=env_fingerprint(),
     )
-    run = pools.run(key, task, deadline=deadline, peer_grace=settings.peer_grace)
+    run = pools.run(key, task, deadline=deadline, peer_grace=settings.peer_grace, fresh=fresh)
     if run.results and all(r.outcome is Outcome.NOT_STARTED for r in run.results):
         # The pool never started (e.g. the fork server did not answer on a loaded machine):
         # no rank ran the example, so it says nothing about it. One more try, on a new pool.
-        run = pools.run(key, task, deadline=deadline, peer_grace=settings.peer_grace)
+        run = pools.run(key, task, deadline=deadline, peer_grace=settings.peer_grace, fresh=fresh)
     if not run.ok or run.by_outcome(Outcome.SKIPPED, Outcome.XFAILED):
         raise DistributedFailure(run, context=context or f"ws {world_size}", reproducer=None)
     return run.values

@@ -87,6 +87,9 @@ def check_example(
             example.world_size,
             {"impl": impl, "example": example, "tolerance": tolerance.resolve()},
             context=f"{request.node.nodeid} with {example}",
+            # torch's fully_shard keeps an int reshard_after_forward's sub-mesh past the
+            # harness's group teardown; ranks of its own keep examples independent.
+            fresh=not isinstance(example.reshard_after_forward, bool),
         )
     except DistributedFailure as failure:
         command = (
