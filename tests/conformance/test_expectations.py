@@ -88,3 +88,24 @@ def test_tolerance_override_wins_only_where_set():
     assert Tolerance(rtol=1e-2).resolve(1e-3, None) == {"rtol": 1e-2, "atol": None}
     assert not Tolerance()
     assert Tolerance(atol=0.0)
+
+
+def test_only_entries_for_collected_or_missing_files_are_stale(tmp_path):
+    from types import SimpleNamespace
+
+    from harness.conformance.expectations import Entry
+    from harness.conformance.plugin import _could_have_matched
+
+    (tmp_path / "suites").mkdir()
+    (tmp_path / "suites" / "test_other.py").write_text("")
+    config = SimpleNamespace(rootpath=tmp_path)
+    collected = {"suites/test_run.py"}
+
+    def stale(pattern: str) -> bool:
+        entry = Entry("xfail", pattern, "r", tmp_path / "x.toml", 1)
+        return _could_have_matched(entry, collected, config)
+
+    assert stale("suites/test_run.py::test_gone")  # its file ran: the test is gone
+    assert stale("suites/test_removed.py::test_x")  # the file itself is gone
+    assert stale("suites/*::test_gone")  # a glob could have matched anything
+    assert not stale("suites/test_other.py::test_x")  # exists, just not collected this run
