@@ -321,3 +321,44 @@ def dtensor_fast_path_cache_stats() -> tuple[int, int]:
     """(hits, misses) of the calling thread's DTensor fast-path sharding cache (for tests)."""
     require_audited_torch("dtensor_fast_path_cache_stats")
     return tuple(torch._C._get_DTensor_sharding_propagator_cache_stats())  # type: ignore[return-value]
+
+
+# --- functional collectives (harness/comm/intercept.py) ---------------------------------------
+#
+# Functional collectives are ops in the ``_c10d_functional`` family of ``torch.ops``
+# namespaces. Python callers (DTensor's redistribute, the funcol API, FSDP) call them through
+# the namespace's op packets, looked up on every call, so replacing a packet on its
+# namespace sees those calls from any thread, backward hooks included. Calls that bypass
+# the packets (an overload such as ``.default`` held by C++ or by traced code) are seen only
+# at the dispatcher, by a ``TorchDispatchMode``: torch keeps that class in a private module.
+
+
+def torch_dispatch_mode_class() -> type:
+    """torch's ``TorchDispatchMode`` base class (no public import path in 2.13)."""
+    require_audited_torch("torch_dispatch_mode_class")
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    return TorchDispatchMode
+
+
+def functional_collective_packets(
+    namespaces: tuple[str, ...], names: tuple[str, ...]
+) -> list[tuple[Any, str, Any]]:
+    """(namespace object, op name, op packet) for every functional collective that exists.
+
+    The packet is read from the namespace's own ``__dict__`` when there, so a replacement
+    installed earlier is returned as it is rather than looked through.
+    """
+    require_audited_torch("functional_collective_packets")
+    found = []
+    for namespace_name in namespaces:
+        namespace = getattr(torch.ops, namespace_name)
+        for name in names:
+            packet = vars(namespace).get(name)
+            if packet is None:
+                try:
+                    packet = getattr(namespace, name)
+                except (AttributeError, RuntimeError):
+                    continue  # not registered in this namespace
+            found.append((namespace, name, packet))
+    return found

@@ -1,4 +1,4 @@
-"""Always-on collective traces of process ranks that survive a hang or a kill.
+"""Always-on collective traces of rank processes and rank threads that survive a hang or a kill.
 
 While a task runs, each rank appends one JSON line per collective (kind, group, shapes,
 dtypes, call site, sequence numbers: about 400 bytes) to a file in the pool's private
@@ -8,6 +8,10 @@ halves of ``RING_HALF`` calls each, so a long test keeps its latest calls in bou
 space. The parent reads them after a failure or hang, before it removes the directory,
 and :func:`diagnosis_note` names the first collective where the ranks diverge.
 
+It sees what the cheap interception paths see (harness/comm/intercept.py): the
+``torch.distributed`` collectives, ``isend``/``irecv`` (through ``ProcessGroup``'s
+send and receive), and functional collectives called through their op packets (DTensor,
+funcol), in forward and in backward alike. Process ranks and thread ranks record;
 ``DISTCONFORM_COMM_FLIGHT=0`` in the environment turns the recorder off.
 """
 
@@ -41,9 +45,9 @@ def enabled() -> bool:
 class FlightRecorder(Interceptor):
     """Appends each collective of this rank to its ring of trace files.
 
-    Always on, so it takes the cheap path only: the wrapped ``torch.distributed``
-    functions, no torch function mode (functional collectives are not recorded unless a
-    ``CommTracer`` is active at the same time).
+    Always on, so it takes the cheap paths only (no torch function or dispatch mode): a
+    functional collective reached through an op overload held elsewhere (``.default``
+    in traced code) is recorded only while a ``CommTracer`` is active at the same time.
     """
 
     functional = False
@@ -71,9 +75,16 @@ class FlightRecorder(Interceptor):
         try:
             super().__exit__(*exc)
         finally:
-            if self._fd >= 0:
-                os.close(self._fd)
-                self._fd = -1
+            self._close()
+
+    def abandon(self) -> None:
+        super().abandon()
+        self._close()
+
+    def _close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
 
     def _open_part(self, part: int) -> None:
         if self._fd >= 0:

@@ -92,7 +92,8 @@ class CommTracer(Interceptor):
     ``world`` for the default group, else ``ranks[...]``. Phases: the innermost
     ``with trace.phase(name)`` if any, else what the stack shows (``auto_phase``):
     ``forward`` / ``backward`` / ``optimizer``, or ``-``. ``functional=False`` skips the
-    torch function mode (no functional collectives, no per-op cost).
+    torch function and dispatch modes (no per-op cost): functional collectives are then
+    seen only when called through their op packets, as DTensor and funcol call them.
     """
 
     def __init__(

@@ -22,6 +22,9 @@ import harness
 
 START_METHODS = ("forkserver", "spawn")
 _SPAWN_REPLY_TIMEOUT_S = 30.0
+# A new fork server imports torch before it can answer: seconds on an idle machine, more
+# than a minute on a loaded one (seen at load average 30+ on 2 cores).
+_FIRST_REPLY_TIMEOUT_S = 240.0
 
 
 class RankHandle(Protocol):
@@ -106,6 +109,7 @@ class Zygote:
         self._sock: socket.socket | None = None
         self._process: subprocess.Popen | None = None
         self._dead = False
+        self._answered = False
 
     @property
     def pid(self) -> int | None:
@@ -133,6 +137,7 @@ class Zygote:
         theirs.close()
         self._sock, self._dead = ours, False
         self._replies, self._statuses = [], {}
+        self._answered = False
         threading.Thread(
             target=self._read, args=(ours,), name="distconform-zygote", daemon=True
         ).start()
@@ -167,11 +172,10 @@ class Zygote:
             finally:
                 os.close(stdin_r)
                 os.close(out_w)
+            timeout = _SPAWN_REPLY_TIMEOUT_S if self._answered else _FIRST_REPLY_TIMEOUT_S
             with self._changed:
                 if (
-                    not self._changed.wait_for(
-                        lambda: self._replies or self._dead, timeout=_SPAWN_REPLY_TIMEOUT_S
-                    )
+                    not self._changed.wait_for(lambda: self._replies or self._dead, timeout=timeout)
                     or not self._replies
                 ):
                     os.close(stdin_w)
@@ -179,6 +183,7 @@ class Zygote:
                     self._dead = True
                     raise RuntimeError("the rank fork server did not answer; it will be restarted")
                 pid = self._replies.pop(0)
+                self._answered = True
         return ForkedRank(pid, os.fdopen(stdin_w, "wb"), os.fdopen(out_r, "rb"), self)
 
     def exit_status(self, pid: int, timeout: float | None) -> int | None:

@@ -11,15 +11,22 @@ task needs no recycling; it is still marked broken after anything but a clean pa
 because recycling costs nothing here and the test may have changed process-global
 state. After a hang the abandoned threads live on: the caller should replace the host
 process, as the runner says.
+
+Each rank thread records its collectives like a rank process does (harness/comm/flight.py),
+into files in the pool's private temp dir; after a run that did not pass, the report names
+the first collective where the ranks diverge, or the rank that never arrived.
 """
 
 from __future__ import annotations
 
 import contextlib
+import shutil
+import tempfile
 import time
 
 import torch
 
+from harness.comm import flight
 from harness.outcomes import Outcome, RankResult, RunResult
 from harness.rank_context import RankContext
 from harness.rank_exec import run_task
@@ -41,7 +48,23 @@ class _TaskDidNotPass(Exception):
             self.abort_summary = f"{result.outcome.value} ({result.reason or 'no reason'})"
 
 
-def _rank_body(task: RankTask, world_size: int) -> RankResult:
+class _Recorders:
+    """The flight recorders of one run's rank threads, and which threads left theirs."""
+
+    def __init__(self) -> None:
+        self.entered: dict[int, object] = {}
+        self.exited: set[int] = set()
+
+    def abandon_unexited(self) -> None:
+        # A hung rank thread never leaves its recorder: release what it holds.
+        for rank, recorder in self.entered.items():
+            if rank not in self.exited and hasattr(recorder, "abandon"):
+                recorder.abandon()
+
+
+def _rank_body(
+    task: RankTask, world_size: int, trace_dir: str | None, recorders: _Recorders
+) -> RankResult:
     import torch.distributed as dist
 
     ctx = RankContext(
@@ -52,7 +75,13 @@ def _rank_body(task: RankTask, world_size: int) -> RankResult:
         seed=task.seed,
         launcher="thread",
     )
-    result = run_task(task, ctx)
+    recorder = flight.recording(trace_dir, ctx.rank, task.task_id)
+    recorders.entered[ctx.rank] = recorder
+    try:
+        with recorder:
+            result = run_task(task, ctx)
+    finally:
+        recorders.exited.add(ctx.rank)
     if result.outcome is not Outcome.PASSED:
         raise _TaskDidNotPass(result)
     return result
@@ -98,12 +127,15 @@ class ThreadPool:
         self.world_size = world_size
         self.broken = False
         self._runner: ThreadRunner | None = None
+        self._trace_dir: str | None = None
 
     def start(self, timeout: float | None = None) -> None:
         """Start the rank threads; ``timeout`` is accepted for the RankPool interface
         (starting threads does not block)."""
         if self._runner is None:
             self._runner = ThreadRunner(self.world_size, capture_output=True)
+        if self._trace_dir is None and flight.enabled():
+            self._trace_dir = tempfile.mkdtemp(prefix="distconform-threads-")  # mode 0700
 
     def run(self, task: RankTask, deadline: float, peer_grace: float) -> RunResult:
         """Run ``task`` on every rank thread; ``peer_grace`` is moot: peers are released
@@ -116,23 +148,35 @@ class ThreadPool:
         with contextlib.suppress(Exception):
             ensure_modules(task.modules, task.sys_path)
         started = time.monotonic()
-        run = self._runner.run(_rank_body, task, self.world_size, deadline=deadline)
+        recorders = _Recorders()
+        run = self._runner.run(
+            _rank_body, task, self.world_size, self._trace_dir, recorders, deadline=deadline
+        )
+        recorders.abandon_unexited()
         results = [_to_rank_result(r) for r in run.ranks]
+        notes = list(run.notes)
         if not run.ok:
             self.broken = True
+            traces = flight.read_traces(self._trace_dir, self.world_size)
+            states = {r.rank: r.outcome.value for r in results}
+            if (comm_note := flight.diagnosis_note(traces, states)) is not None:
+                notes.append(comm_note)
         return RunResult(
             results=results,
             seed=task.seed,
             deadline=deadline,
             started_at=started,
             finished_at=time.monotonic(),
-            harness_notes=list(run.notes),
+            harness_notes=notes,
         )
 
     def close(self, timeout: float = 10.0) -> None:
         if self._runner is not None:
             self._runner.close()
             self._runner = None
+        if self._trace_dir is not None:
+            shutil.rmtree(self._trace_dir, ignore_errors=True)
+            self._trace_dir = None
 
     def kill(self) -> None:
         # Threads cannot be killed; closing uninstalls the thread world and leaves any

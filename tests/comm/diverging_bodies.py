@@ -29,3 +29,17 @@ def never_arrive(stuck_rank: int) -> None:
         while True:
             time.sleep(0.01)
     dist.all_gather_single(torch.empty(2 * dist.get_world_size()), torch.ones(2))  # waits
+
+
+def functional_all_reduce_another_shape_in_backward(odd_rank: int) -> None:
+    weight = torch.ones(2, requires_grad=True)
+    numel = 6 if dist.get_rank() == odd_rank else 4
+    group_name = dist.group.WORLD.group_name
+
+    def reduce_in_backward(grad):
+        reduced = torch.ops._c10d_functional.all_reduce(torch.ones(numel), "sum", group_name)  # bw
+        torch.ops._c10d_functional.wait_tensor(reduced)
+        return grad
+
+    weight.register_hook(reduce_in_backward)
+    (weight * 2).sum().backward()

@@ -107,27 +107,52 @@ def test_explicit_phases_override_detection_and_nest(rank_ctx):
     assert [c.group_seq for c in trace.calls] == [0, 1, 2]
 
 
+class _GatherGradInBackward(torch.autograd.Function):
+    """Identity forward; backward all-gathers the gradient through funcol, as DTensor does."""
+
+    @staticmethod
+    def forward(ctx, tensor, group_name):
+        ctx.group_name = group_name
+        return tensor.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        ws = dist.get_world_size()
+        gathered = torch.ops._c10d_functional.all_gather_into_tensor(grad, ws, ctx.group_name)
+        torch.ops._c10d_functional.wait_tensor(gathered)
+        return grad, None
+
+
 @pytest.mark.world_size(2)
-def test_a_functional_collective_in_backward_is_seen_on_the_thread_launcher(rank_ctx):
-    if rank_ctx.launcher != "thread":
-        pytest.skip(
-            "known gap: torch function modes are not active in autograd hooks, so process "
-            "ranks do not see functional collectives issued during backward"
-        )
+def test_functional_collectives_in_backward_are_seen(rank_ctx):
+    # Issue 9: on process ranks a torch function mode is not active inside the autograd
+    # engine, so these three were invisible there.
     from torch.distributed.tensor import DTensor, Shard
 
     mesh = rank_ctx.mesh(2, ("dp",))
+    group_name = mesh.get_group(0).group_name
     weight = torch.ones(2, requires_grad=True)
+    bias = torch.ones(3, requires_grad=True)
 
-    def gather_in_backward(grad):
+    def gather_in_tensor_hook(grad):
         DTensor.from_local(grad, mesh, [Shard(0)], run_check=False).full_tensor()
         return grad
 
-    weight.register_hook(gather_in_backward)
+    def reduce_after_accumulation(param):
+        # What fully_shard does for a gradient once it is accumulated, in funcol form.
+        out = torch.ops._c10d_functional.reduce_scatter_tensor.default(
+            param.grad.repeat(2), "sum", 2, group_name
+        )
+        torch.ops._c10d_functional.wait_tensor(out)
+
+    weight.register_hook(gather_in_tensor_hook)
+    bias.register_post_accumulate_grad_hook(reduce_after_accumulation)
     with CommTracer(mesh=mesh) as trace:
-        (weight * 2).sum().backward()
-    # Seen by the threaded backend's listener, since no torch function mode is active there.
-    seen = [(c.kind, c.api, c.group, c.phase, c.shapes) for c in trace.calls]
+        ((_GatherGradInBackward.apply(weight, group_name) * 2).sum() + bias.sum()).backward()
+    seen = sorted((c.kind, c.group, c.phase, c.shapes) for c in trace.calls)
     assert seen == [
-        ("all_gather", "threaded.all_gather_single_coalesced", "dp", "backward", ((2,),))
-    ], seen
+        ("all_gather", "dp", "backward", ((2,),)),  # the custom Function's backward
+        ("all_gather", "dp", "backward", ((2,),)),  # DTensor.full_tensor in the tensor hook
+        ("reduce_scatter", "dp", "backward", ((6,),)),  # the post-accumulate-grad hook
+    ], trace.calls
+    assert all(c.api.startswith("funcol.") for c in trace.calls), trace.calls

@@ -89,3 +89,26 @@ def test_a_hung_rank_that_never_arrived_is_named():
 def test_a_passing_run_has_no_diagnosis():
     run = launch(diverging_bodies.all_reduce_another_shape, 2, (-1,), deadline=DEADLINE_S)
     assert run.ok and not run.harness_notes
+
+
+def test_a_functional_collective_of_another_shape_in_backward_is_named():
+    # Issue 9: the always-on recorder used to see torch.distributed calls only.
+    body = diverging_bodies.functional_all_reduce_another_shape_in_backward
+    run = launch(body, 2, (1,), deadline=DEADLINE_S)
+    assert not run.ok
+    text = diagnosis(run)
+    assert "the ranks called different collectives at position #0 of group world" in text, text
+    site = line_of(body, "# bw")
+    for rank, shape in ((0, "f32[4]"), (1, "f32[6]")):
+        called = f"rank {rank} called all_reduce {shape} (funcol.all_reduce) at {{path}}{site}"
+        assert says(text, called), text
+
+
+def test_thread_ranks_record_their_collectives_for_the_diagnosis():
+    body = diverging_bodies.skip_an_all_reduce
+    run = launch(body, 2, (1,), launcher="thread", deadline=DEADLINE_S)
+    assert not run.ok
+    text = diagnosis(run)
+    assert "rank 1 never arrived at all_reduce #1 on group world" in text, text
+    site = line_of(body, "# the one skipped")
+    assert says(text, f"rank 0 called all_reduce f32[4] (dist.all_reduce) at {{path}}{site}"), text

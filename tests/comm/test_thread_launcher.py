@@ -11,7 +11,13 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
-RANK_TEST_MODULES = ("test_counts.py", "test_injection.py", "test_min_bytes.py", "test_schedule.py")
+RANK_TEST_MODULES = (
+    "test_counts.py",
+    "test_flight_coverage.py",
+    "test_injection.py",
+    "test_min_bytes.py",
+    "test_schedule.py",
+)
 
 
 def test_the_rank_tests_pass_on_the_thread_launcher(pytester, monkeypatch):
