@@ -43,6 +43,9 @@ class ReferenceImplementation(Implementation):
             "async_unshard",
             "forward_method",
             "prefetch",
+            "hsdp",
+            "mixed_precision",
+            "cpu_offload",
             # Composition (suites/composition): DCP passes; pp fails InterleavedZeroBubble and
             # tp is not implemented yet, so neither is declared.
             "dcp",
