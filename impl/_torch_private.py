@@ -81,3 +81,22 @@ def torch_fsdp_set_unshard_async_op(module: nn.Module, async_op: bool) -> None:
     """``FSDPModule._set_unshard_async_op``: issue implicit all-gathers with ``async_op``."""
     require_audited_torch("torch_fsdp_set_unshard_async_op")
     module._set_unshard_async_op(async_op)
+
+# --- activation checkpointing (tests composing checkpointing with an implementation) -------------
+
+
+def checkpoint_wrapper_api() -> tuple[Callable[..., Any], Callable[..., Any], str]:
+    """torch's ``(checkpoint_wrapper, apply_activation_checkpointing, _CHECKPOINT_PREFIX)``.
+
+    The wrapper form of activation checkpointing (cases.md §2.5 "wrapper") lives in a private
+    module in 2.13; the prefix is what the wrapper inserts into parameter names.
+    """
+    require_audited_torch("checkpoint_wrapper_api")
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        _CHECKPOINT_PREFIX,
+        apply_activation_checkpointing,
+        checkpoint_wrapper,
+    )
+
+    return checkpoint_wrapper, apply_activation_checkpointing, _CHECKPOINT_PREFIX
+

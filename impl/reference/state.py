@@ -31,6 +31,11 @@ from torch import nn
 
 from impl import _torch_private
 from impl.reference.group import ParamGroup
+from impl.reference.policies import (
+    MixedPrecisionPolicy,
+    cast_forward_inputs,
+    cast_forward_output,
+)
 
 _STATE_OF_MODULE: weakref.WeakKeyDictionary[nn.Module, FSDPState] = weakref.WeakKeyDictionary()
 
@@ -53,6 +58,14 @@ class StateContext:
         self.iter_forward_root: FSDPState | None = None
         self.final_callback_queued = False
         self.is_last_backward = True
+        # States in the order their groups finished forward, with multiplicity (a module
+        # called twice appears twice): backward walks it in reverse to prefetch implicitly.
+        self.post_forward_order: list[FSDPState] = []
+
+    @property
+    def in_backward(self) -> bool:
+        """A backward of this root's states is running (its final callback is queued)."""
+        return self.final_callback_queued
 
     def queue_final_callback(self) -> None:
         if self.final_callback_queued:
@@ -64,11 +77,13 @@ class StateContext:
         # Reverse forward order, like autograd: later groups' gradients are complete first.
         for state in reversed(self.all_states):
             state.modules_to_run_forward.clear()
+            state.post_forward_indices.clear()
             if state.group is not None:
                 state.group.post_backward()
             state.training = TrainingState.IDLE
         self.iter_forward_root = None
         self.final_callback_queued = False
+        self.post_forward_order.clear()
 
 
 class FSDPState:
@@ -79,14 +94,15 @@ class FSDPState:
         group: ParamGroup | None,
         reshard_after_forward: bool | int | None,
         replicated: bool,
-        tied_elsewhere: list[str],
+        tied_elsewhere: list[tuple[str, FSDPState]],
     ) -> None:
         self.modules = modules
         self.device = device
         self.group = group
         self.replicated = replicated
         self.requested_reshard_after_forward = reshard_after_forward
-        # Parameters of this group that another group already manages; an error at lazy init.
+        # (fqn, owning state) of parameters of this group that another group already manages
+        # (a weight tied across groups); an error at lazy init, where module names are known.
         self.tied_elsewhere = tied_elsewhere
         self.is_root: bool | None = None
         self.ctx = StateContext([self])
@@ -94,8 +110,12 @@ class FSDPState:
         self.modules_to_run_forward: set[nn.Module] = set()
         self.forward_prefetch: list[FSDPState] = []
         self.backward_prefetch: list[FSDPState] = []
+        # This state's positions in ``ctx.post_forward_order``; pre-backward pops the last.
+        self.post_forward_indices: list[int] = []
         self.unshard_in_backward = True
         self.post_optim_event: Any = None
+        # Set by fully_shard/replicate: inputs and outputs of every module call are cast by it.
+        self.mp_policy = MixedPrecisionPolicy()
         for module in modules:
             _STATE_OF_MODULE[module] = self
             module.register_forward_pre_hook(self.pre_forward, prepend=True, with_kwargs=True)
@@ -110,18 +130,35 @@ class FSDPState:
         states = _states_below(self.modules)
         for state in states:
             if state.tied_elsewhere:
-                names = ", ".join(state.tied_elsewhere)
-                raise ValueError(
-                    f"parameter(s) {names} are already managed by another fully_shard group; "
-                    f"parameters shared between modules (weight tying) must be in one group, "
-                    f"e.g. fully_shard([module_a, module_b])"
-                )
+                raise ValueError(self._tied_across_groups_message(state))
         ctx = StateContext(states)
         for state in states:
             if state is not self:
                 state.is_root = False
             state.ctx = ctx
             state._resolve_reshard_after_forward()
+
+    def _tied_across_groups_message(self, state: FSDPState) -> str:
+        names: dict[nn.Module, str] = {}
+        for index, top in enumerate(self.modules):
+            prefix = f"[{index}]" if len(self.modules) > 1 else ""
+            for name, module in top.named_modules():
+                names.setdefault(module, ".".join(p for p in (prefix, name) if p) or "<root>")
+
+        def describe(owner: FSDPState) -> str:
+            return " + ".join(
+                f"{names.get(m, '<outside this root>')} ({type(m).__name__})" for m in owner.modules
+            )
+
+        lines = [
+            f"parameter {fqn!r} of the fully_shard group of {describe(state)} is already managed "
+            f"by another fully_shard group, that of {describe(owner)}"
+            for fqn, owner in state.tied_elsewhere
+        ]
+        return (
+            "; ".join(lines) + ". Parameters shared between modules (weight tying) must be in "
+            "one group, e.g. fully_shard([module_a, module_b])"
+        )
 
     def _resolve_reshard_after_forward(self) -> None:
         if self.group is None:
@@ -146,7 +183,7 @@ class FSDPState:
             # Recomputation (activation checkpointing) inside backward needs the parameters.
             if self.group is not None:
                 self.group.unshard()
-            return args, kwargs
+            return cast_forward_inputs(self.mp_policy, args, kwargs)
         first_module_of_pass = self.training is not TrainingState.FORWARD
         self.training = TrainingState.FORWARD
         if first_module_of_pass:
@@ -156,6 +193,7 @@ class FSDPState:
                 if self.is_root:
                     args, kwargs = _move_to_device((args, kwargs), self.device)
             self.modules_to_run_forward = set(self.modules)
+        args, kwargs = cast_forward_inputs(self.mp_policy, args, kwargs)
         if self.group is not None:
             self.group.unshard(self.group.unshard_async_op)
             self.group.wait_for_unshard()
@@ -167,7 +205,7 @@ class FSDPState:
 
     def post_forward(self, module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
         if self.training is TrainingState.PRE_BACKWARD:
-            return output
+            return cast_forward_output(self.mp_policy, output)
         self.modules_to_run_forward.discard(module)
         if not self.modules_to_run_forward:
             self._finish_forward()
@@ -179,11 +217,16 @@ class FSDPState:
                     state.modules_to_run_forward.clear()
                     state._finish_forward()
             self.ctx.iter_forward_root = None
-        return output
+        return cast_forward_output(self.mp_policy, output)
 
     def _finish_forward(self) -> None:
-        if self.group is not None:
+        if self.group is not None and not self.ctx.in_backward:
+            # Recomputation (activation checkpointing) inside backward keeps the parameters:
+            # this group's own backward, which needs them, is about to run.
             self.group.reshard_after_forward_step()
+            if torch.is_grad_enabled():
+                self.post_forward_indices.append(len(self.ctx.post_forward_order))
+                self.ctx.post_forward_order.append(self)
         self.training = TrainingState.IDLE
 
     def _hook_pre_backward(self, output: Any) -> Any:
@@ -202,18 +245,34 @@ class FSDPState:
         self.ctx.queue_final_callback()
         if self.group is not None and self.unshard_in_backward:
             self.group.unshard()
-        for target in self.backward_prefetch:
-            if target.group is not None:
+        # Explicit lists replace the implicit one-module-ahead prefetch.
+        targets = self.backward_prefetch or self._implicit_backward_prefetch_target()
+        for target in targets:
+            if target.group is not None and target.unshard_in_backward:
                 target.group.unshard(async_op=True)
+
+    def _implicit_backward_prefetch_target(self) -> list[FSDPState]:
+        """The group that finished forward just before this one: backward needs it next.
+
+        Reverse post-forward order is a guess: a module whose forward ran but whose backward
+        does not (or runs out of order) makes it prefetch the wrong group, which costs memory
+        for a while, never correctness: every group still unshards itself before use.
+        """
+        if not self.post_forward_indices:
+            return []
+        index = self.post_forward_indices.pop() - 1
+        return [self.ctx.post_forward_order[index]] if index >= 0 else []
 
     def reset_iter_state(self) -> None:
         for state in self.ctx.all_states:
             state.modules_to_run_forward.clear()
+            state.post_forward_indices.clear()
             state.training = TrainingState.IDLE
             if state.group is not None:
                 state.group.reset()
         self.ctx.iter_forward_root = None
         self.ctx.final_callback_queued = False
+        self.ctx.post_forward_order.clear()
 
 
 def _states_below(modules: tuple[nn.Module, ...]) -> list[FSDPState]:
