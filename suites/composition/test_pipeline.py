@@ -10,8 +10,11 @@ single-process copy of the whole model (``MicrobatchReference``), so each check 
   fp32, the bf16 defaults for bf16 (parameters stay fp32, computed in bf16, reduced in fp32);
 * for the single-stage schedules, the order in which each stage actually ran forward and
   backward per microbatch (recorded by wrappers on the stage) is 1F1B's or GPipe's by
-  definition; the schedule's own ``pipeline_order`` table is not consulted (torch 2.13's is
-  wrong for the last rank of Schedule1F1B).
+  definition; the schedule's own ``pipeline_order`` table is not consulted: in torch 2.13
+  ``Schedule1F1B._get_pipeline_order`` gives the last rank no warm-up forward and then
+  increments the microbatch before its first forward, so its table starts ``F1 B0`` and ends
+  with a forward of microbatch ``n`` that does not exist (read in the source; the schedule
+  itself runs ``F0 B0 F1 B1 ...`` there, which this check confirms).
 
 Unlike the catalogue's §4.4, the replicas' data differ (it broadcasts one batch to all), so a
 missing or doubled data-parallel average changes the gradients. Two optimizer steps (AdamW as
