@@ -82,6 +82,7 @@ def torch_fsdp_set_unshard_async_op(module: nn.Module, async_op: bool) -> None:
     require_audited_torch("torch_fsdp_set_unshard_async_op")
     module._set_unshard_async_op(async_op)
 
+
 # --- activation checkpointing (tests composing checkpointing with an implementation) -------------
 
 
@@ -100,3 +101,34 @@ def checkpoint_wrapper_api() -> tuple[Callable[..., Any], Callable[..., Any], st
 
     return checkpoint_wrapper, apply_activation_checkpointing, _CHECKPOINT_PREFIX
 
+
+# --- DTensor construction without autograd (reference implementation) ----------------------------
+
+
+def dtensor_factory(
+    mesh: Any,
+    placements: tuple[Any, ...],
+    shape: torch.Size,
+    stride: tuple[int, ...],
+    dtype: torch.dtype,
+) -> Callable[[torch.Tensor], Any]:
+    """A function that wraps a local shard in a ``DTensor`` of global ``shape`` and ``stride``.
+
+    What ``DTensor.from_local(local, mesh, placements, run_check=False, shape=, stride=)``
+    builds, without its autograd node and placement normalisation: the reference makes one
+    sharded gradient per parameter per step, and ``from_local`` cost 15x the bare constructor
+    [measured: 380 vs 33 us, 2 loaded cores]. The spec (private ``DTensorSpec``/``TensorMeta``
+    in 2.13) is built once, here.
+    """
+    require_audited_torch("dtensor_factory")
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+    spec = DTensorSpec(
+        mesh, tuple(placements), tensor_meta=TensorMeta(torch.Size(shape), tuple(stride), dtype)
+    )
+
+    def wrap(local: torch.Tensor) -> Any:
+        return DTensor(local, spec, requires_grad=local.requires_grad)
+
+    return wrap

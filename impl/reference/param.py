@@ -20,6 +20,7 @@ in backward would then look to autograd like an in-place change of a saved tenso
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -27,6 +28,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Shard
 
+from impl import _torch_private
 from impl.reference.sharding import ShardLayout
 
 
@@ -75,6 +77,9 @@ class ManagedParam:
         self.shape = original.shape
         self.dtype = original.dtype
         self.requires_grad = original.requires_grad
+        # Computed once: every sharded gradient (one per step) needs the global stride.
+        self.global_stride = torch.empty(self.shape, device="meta").stride()
+        self._grad_factory: tuple[torch.dtype, Callable[[torch.Tensor], DTensor]] | None = None
         placement = placements[-1]
         if isinstance(placement, Shard):
             self.layout: ShardLayout | None = ShardLayout(
@@ -147,8 +152,18 @@ class ManagedParam:
             self.placements,
             run_check=False,
             shape=self.shape,
-            stride=torch.empty(self.shape, device="meta").stride(),
+            stride=self.global_stride,
         )
+
+    def _as_sharded_grad(self, local_grad: torch.Tensor) -> DTensor:
+        """``local_grad`` as a ``DTensor`` placed like the sharded parameter, built without
+        ``from_local``'s autograd node (one per parameter per step: its cost shows)."""
+        if self._grad_factory is None or self._grad_factory[0] != local_grad.dtype:
+            factory = _torch_private.dtensor_factory(
+                self.mesh, self.placements, self.shape, self.global_stride, local_grad.dtype
+            )
+            self._grad_factory = (local_grad.dtype, factory)
+        return self._grad_factory[1](local_grad)
 
     def sharded_local(self) -> torch.Tensor:
         """The sharded parameter's current local tensor (``module.to`` may have swapped it)."""
@@ -218,7 +233,7 @@ class ManagedParam:
         """Set or add ``local_grad`` (this rank's real rows) as the sharded gradient."""
         existing = self.sharded_param.grad
         if existing is None:
-            self.sharded_param.grad = self._as_dtensor(local_grad)
+            self.sharded_param.grad = self._as_sharded_grad(local_grad)
             return
         with torch.no_grad():
             existing.to_local().add_(local_grad)
