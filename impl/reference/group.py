@@ -183,6 +183,8 @@ class ParamGroup:
         self.orig_dtype = self.sharded_flat.dtype
         self.compute_dtype = policies.compute_dtype(self.mp_policy, self.orig_dtype)
         self.reduce_dtype = policies.reduce_dtype(self.mp_policy, self.orig_dtype)
+        self._flat_numels = [p.flat_numel for p in self.params]
+        self._param_major_views: list[torch.Tensor] | None = None  # of this unsharded_flat
         self.aliases_sharded = (
             not self.gathers
             and self.compute_dtype == self.orig_dtype
@@ -295,9 +297,8 @@ class ParamGroup:
         with torch.no_grad():
             if all(p.is_dim0_sharded for p in self.params):
                 # Param-major regions viewed (S, padded shard) are exactly the padded params.
-                targets = [self._param_region(p).view(ws, -1) for p in self.params]
                 torch.split_with_sizes_copy(
-                    by_rank, [p.flat_numel for p in self.params], dim=1, out=targets
+                    by_rank, self._flat_numels, dim=1, out=self._param_major_targets()
                 )
                 return
             for p in self.params:
@@ -307,6 +308,14 @@ class ParamGroup:
                 target = self._param_region(p)
                 split = _rank_split_view(p.layout.padded_shape, p.layout.dim, ws)
                 target.view(split).transpose(0, 1).copy_(source.view(_rank_major_shape(split)))
+
+    def _param_major_targets(self) -> list[torch.Tensor]:
+        """Each parameter's region of ``unsharded_flat`` viewed ``(S, padded shard)``, made once
+        per buffer rather than per unshard: views survive the storage being freed and refilled."""
+        if self._param_major_views is None:
+            ws = self.shard_size
+            self._param_major_views = [self._param_region(p).view(ws, -1) for p in self.params]
+        return self._param_major_views
 
     def _param_region(self, p: ManagedParam) -> torch.Tensor:
         """``p``'s padded full tensor inside ``unsharded_flat``, flat."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import cached_property
 
 
 def chunk_size(dim_size: int, world_size: int) -> int:
@@ -42,7 +43,10 @@ def local_dim_offset(dim_size: int, world_size: int, rank: int) -> int:
 
 @dataclass(frozen=True)
 class ShardLayout:
-    """How one parameter of ``shape`` is split along ``dim`` across ``world_size`` ranks."""
+    """How one parameter of ``shape`` is split along ``dim`` across ``world_size`` ranks.
+
+    The derived sizes are cached (frozen fields, read for every parameter at every step).
+    """
 
     shape: tuple[int, ...]
     dim: int
@@ -64,41 +68,41 @@ class ShardLayout:
                 f"by the world size {self.world_size}; uneven sharding is only supported on dim 0"
             )
 
-    @property
+    @cached_property
     def dim_size(self) -> int:
         return self.shape[self.dim]
 
-    @property
+    @cached_property
     def chunk(self) -> int:
         return chunk_size(self.dim_size, self.world_size)
 
-    @property
+    @cached_property
     def local_rows(self) -> int:
         return local_dim_size(self.dim_size, self.world_size, self.rank)
 
-    @property
+    @cached_property
     def row_offset(self) -> int:
         return local_dim_offset(self.dim_size, self.world_size, self.rank)
 
-    @property
+    @cached_property
     def local_shape(self) -> tuple[int, ...]:
         """Shape of this rank's real shard (what ``DTensor.to_local()`` returns)."""
         return _replace(self.shape, self.dim, self.local_rows)
 
-    @property
+    @cached_property
     def padded_local_shape(self) -> tuple[int, ...]:
         """Shape of the padded shard every rank contributes to the all-gather."""
         return _replace(self.shape, self.dim, self.chunk)
 
-    @property
+    @cached_property
     def padded_local_numel(self) -> int:
         return math.prod(self.padded_local_shape)
 
-    @property
+    @cached_property
     def padded_shape(self) -> tuple[int, ...]:
         return _replace(self.shape, self.dim, self.chunk * self.world_size)
 
-    @property
+    @cached_property
     def padding_rows(self) -> int:
         return self.chunk - self.local_rows
 
