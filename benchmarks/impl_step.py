@@ -580,6 +580,30 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return args
 
 
+def write_report(
+    path: str,
+    options: Options,
+    cases: tuple[Case, ...],
+    threads: dict[int, list[int]],
+    loads: list[float],
+    rows: list[dict[str, Any]],
+) -> None:
+    import torch
+
+    report = {
+        "options": {**asdict(options), "cases": [asdict(c) for c in cases]},
+        "machine": {
+            "cpus": os.cpu_count(),
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "load_average_1min": loads,
+            "torch_threads_per_rank": threads,
+        },
+        "rows": rows,
+    }
+    Path(path).write_text(json.dumps(report, indent=1))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     # Read by the ranks at start-up: no per-collective trace files during timed steps.
@@ -598,40 +622,27 @@ def main(argv: Sequence[str] | None = None) -> int:
         profile_dir=str(Path(args.profile).resolve()) if args.profile else None,
         profile_steps=args.profile_steps,
     )
-    load_before = os.getloadavg()
     started = time.perf_counter()
     rows = []
     threads = {}
+    loads = [os.getloadavg()[0]]
     for world_size in args.world_sizes:
         per_rank = run_on_ranks(
             run_rank, world_size, (options,), threads_per_rank=1, deadline=args.deadline
         )
+        loads.append(os.getloadavg()[0])
         threads[world_size] = [r["threads"] for r in per_rank]
         rows.extend(summarise(world_size, case, per_rank) for case in cases)
-    load_after = os.getloadavg()
-    print(format_tables(rows))
+        # A long run on a busy machine keeps what it finished if a later world size fails.
+        print(format_tables(rows), flush=True)
+        if args.out:
+            write_report(args.out, options, cases, threads, loads, rows)
     print(format_profiles(rows))
     print(
-        f"\n{len(rows)} cases, {args.pairs} blocks x {args.steps} steps per arm; load average "
-        f"{load_before[0]:.2f} at the start, {load_after[0]:.2f} at the end; "
+        f"\n{len(rows)} cases, {args.pairs} blocks x {args.steps} steps per arm; 1-minute load "
+        f"average {', '.join(f'{x:.2f}' for x in loads)} (start, after each world size); "
         f"{time.perf_counter() - started:.0f} s"
     )
-    if args.out:
-        import torch
-
-        report = {
-            "options": {**asdict(options), "cases": [asdict(c) for c in cases]},
-            "machine": {
-                "cpus": os.cpu_count(),
-                "python": platform.python_version(),
-                "torch": torch.__version__,
-                "load_average_start": load_before,
-                "load_average_end": load_after,
-                "torch_threads_per_rank": threads,
-            },
-            "rows": rows,
-        }
-        Path(args.out).write_text(json.dumps(report, indent=1))
     return 0
 
 
