@@ -226,7 +226,7 @@ def run_accumulation(rank: int, model: nn.Module, reference: nn.Module, row: Row
             last = microbatch == MICROBATCHES - 1
             set_flags(model, row.mode, row.rab, row.reduce_scatter_only, last)
             inp = torch.randn(2, 32)
-            with CommTracer() as trace:
+            with CommTracer(functional=False) as trace:
                 loss = model(inp).sum()
                 loss.backward()
             counts = {

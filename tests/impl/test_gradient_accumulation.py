@@ -1,4 +1,6 @@
-"""Gradient accumulation flags and their collective counts (cases.md §2.9, 1-D mesh rows).
+"""Gradient accumulation flags and their collective counts (cases.md §2.9, 1-D mesh rows at
+world size 2; the whole grid at world size 4 is ``test_accumulation_grid.py``), and the 1F1B
+microbatching case of §2.9 / §3.7 for ``fully_shard`` and ``replicate``.
 
 Model: ``Sequential(Linear(32, 32), MLP(32), MLP(32), MLP(32))``, each MLP its own group, the
 root owning the first Linear: 4 groups. 5 iterations of 3 microbatches; the flags are set
@@ -17,7 +19,7 @@ import torch
 from torch import nn
 
 from harness.parity import assert_losses_equal, assert_sharded_parity, average_gradients
-from suites.models import MLP
+from suites.models import MLP, ModelArgs, Transformer
 from tests.impl.comm_count import count_collectives
 
 MICROBATCHES = 3
@@ -78,13 +80,6 @@ def test_gradient_accumulation(rank_ctx, impl, case):
     run_gradient_accumulation(rank_ctx, impl, *case)
 
 
-@pytest.mark.slow
-@pytest.mark.world_size(4)
-@pytest.mark.parametrize("case", CASES, ids=case_id)
-def test_gradient_accumulation_ws4(rank_ctx, impl, case):
-    run_gradient_accumulation(rank_ctx, impl, *case)
-
-
 def run_gradient_accumulation(rank_ctx, impl, raf: bool, mode: str, rab: bool) -> None:
     torch.manual_seed(42)
     model = nn.Sequential(nn.Linear(32, 32), MLP(32), MLP(32), MLP(32))
@@ -117,3 +112,53 @@ def run_gradient_accumulation(rank_ctx, impl, raf: bool, mode: str, rab: bool) -
         set_to_none = iteration % 2 == 1
         optimizer.zero_grad(set_to_none=set_to_none)
         reference_optimizer.zero_grad(set_to_none=set_to_none)
+
+
+# --- 1F1B microbatching (cases.md §2.9 test_1f1b_microbatching, §3.7 for replicate) -----------
+
+
+@pytest.mark.world_size(2)
+@pytest.mark.parametrize("api", ["fully_shard", "replicate"])
+@pytest.mark.parametrize("explicit_unshard", [False, True], ids=lambda v: f"explicit={v}")
+@pytest.mark.parametrize("rab", [False, True], ids=lambda v: f"rab={v}")
+def test_1f1b_microbatching(rank_ctx, impl, api, explicit_unshard, rab):
+    if api == "replicate" and not impl.supports("replicate"):
+        pytest.skip(f"UNSUPPORTED: {impl.name} does not declare replicate")
+    torch.manual_seed(42)
+    model = Transformer(ModelArgs(dropout_p=0.0))
+    reference = copy.deepcopy(model)
+    if api == "fully_shard":
+        for layer in model.layers:
+            impl.fully_shard(layer, reshard_after_forward=False)
+        impl.fully_shard(model, reshard_after_forward=False)
+    else:
+        for layer in model.layers:
+            impl.replicate(layer)
+        impl.replicate(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    reference_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+
+    torch.manual_seed(42 + rank_ctx.rank + 1)
+    inputs = [torch.randint(0, 8, (2, 16)) for _ in range(MICROBATCHES)]
+    if explicit_unshard:
+        for module in model.modules():
+            if isinstance(module, impl.FSDPModule):
+                module.unshard(async_op=True)  # handles dropped: the forward waits
+    losses, reference_losses = [], []
+    for microbatch, inp in enumerate(inputs):
+        last = microbatch == MICROBATCHES - 1
+        model.set_requires_gradient_sync(last)
+        model.set_is_last_backward(last)
+        if not rab:
+            model.set_reshard_after_backward(last)
+        losses.append(model(inp).sum())
+        losses[-1].backward()
+        reference_losses.append(reference(inp).sum())
+        reference_losses[-1].backward()
+    average_gradients(reference)
+    for microbatch, (loss, reference_loss) in enumerate(zip(losses, reference_losses, strict=True)):
+        assert_losses_equal(microbatch, loss, reference_loss)
+    assert_sharded_parity(reference, model)
+    optimizer.step()
+    reference_optimizer.step()
+    assert_sharded_parity(reference, model, check_grads=False)

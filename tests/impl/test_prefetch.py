@@ -64,7 +64,7 @@ def mark_layers(trace: CommTracer, layers: list[nn.Module]) -> None:
 def test_implicit_backward_prefetch_is_one_module_ahead(rank_ctx, impl):
     require(impl, "prefetch")
     model, _ = sharded_transformer(impl)
-    trace = CommTracer()
+    trace = CommTracer(functional=False)
     mark_layers(trace, list(model.layers))
     with trace:
         model(torch.randint(0, 8, (2, 8))).sum().backward()
@@ -135,7 +135,7 @@ def test_async_unshard_handle(rank_ctx, impl):
     require(impl, "async_unshard")
     model, reference = sharded_transformer(impl, n_layers=2)
     layer = model.layers[0]
-    with CommTracer() as trace:
+    with CommTracer(functional=False) as trace:
         handle = layer.unshard(async_op=True)
         assert handle is not None
         handle.wait()
@@ -143,7 +143,7 @@ def test_async_unshard_handle(rank_ctx, impl):
     assert impl.is_group_unsharded(layer)
     assert not impl.is_group_unsharded(model.layers[1])
     inp = torch.randint(0, 8, (2, 8))
-    with CommTracer() as trace:
+    with CommTracer(functional=False) as trace:
         loss = model(inp).sum()
     # The root and layers.1 only: layers.0 is already unsharded.
     assert trace.count("all_gather") == 2, trace.schedule()
@@ -198,7 +198,7 @@ def test_unshard_in_backward_false_skips_the_gather(rank_ctx, impl):
     torch.manual_seed(42 + rank_ctx.rank)
     for step in range(3):
         inp = torch.randint(0, 8, (2, 8))
-        with CommTracer() as trace:
+        with CommTracer(functional=False) as trace:
             loss = model(inp).sum()
             loss.backward()
         gathered = [c.out_numel for c in trace.select("all_gather", phase="backward")]

@@ -2,7 +2,8 @@
 
 Non-root standalone forward/backward, a module called twice in one forward, two forwards
 before one backward, a partial group forward followed by standalone chunks, recovery after an
-exception, a forward method other than ``forward``, explicit prefetching and async unshard.
+exception, a forward method other than ``forward`` (with ``replicate`` too), a weight tied across
+groups (the error names the modules). Prefetching and async unshard: ``test_prefetch.py``.
 """
 
 from __future__ import annotations
@@ -13,8 +14,9 @@ import pytest
 import torch
 from torch import nn
 
+from harness.comm import CommTracer
 from harness.parity import assert_losses_equal, assert_sharded_parity, average_gradients
-from suites.models import MLP, ModelArgs, Transformer, TransformerBlock
+from suites.models import MLP, ModelArgs, TiedModel, Transformer
 
 
 def adam(module: nn.Module) -> torch.optim.Optimizer:
@@ -222,35 +224,148 @@ def test_registered_forward_method(rank_ctx, impl):
     assert_sharded_parity(reference, model)
 
 
+# --- more of cases.md §2.5, §2.8 and §2.13 -------------------------------------------------------
+
+
+@pytest.mark.world_size(4)
+def test_non_root_forward_backward_ws4(rank_ctx, impl):
+    test_non_root_forward_backward(rank_ctx, impl)
+
+
 @pytest.mark.world_size(2)
-@pytest.mark.parametrize("explicit", ["prefetch", "async_unshard"])
-def test_prefetch_and_async_unshard_keep_numerics(rank_ctx, impl, explicit):
-    model = Transformer(ModelArgs(n_layers=4, dropout_p=0.0))
-    reference = copy.deepcopy(model)
-    for layer in model.layers:
-        impl.fully_shard(layer)
+def test_double_partial_forward_then_backward(rank_ctx, impl):
+    """Two forwards that skip the head of the [norm, head] group, one backward: no hang, the
+    used parameters get finite gradients and the head's stays None."""
+    torch.manual_seed(42)
+    model = ChunkedHead()
+    impl.fully_shard([model.norm, model.head])
     impl.fully_shard(model)
-    layers = list(model.layers)
-    if explicit == "prefetch":
-        for i, layer in enumerate(layers):
-            layer.set_modules_to_forward_prefetch(layers[i + 1 : i + 3])
-            layer.set_modules_to_backward_prefetch(layers[max(i - 2, 0) : i][::-1])
+    t1, t2 = torch.randint(0, 128, (2, 16)), torch.randint(0, 128, (2, 16))
+    h1 = model(t1, skip_head=True)
+    h2 = model(t2, skip_head=True)
+    (h1.sum() + h2.sum()).backward()
+    for name in ("embed", "norm"):
+        grad = getattr(model, name).weight.grad
+        assert grad is not None, name
+        assert bool(torch.isfinite(grad.to_local()).all()), name
+    assert model.head.weight.grad is None
+
+
+def shard_chunked_head(impl, model: nn.Module, grouped: bool, raf: bool = True) -> None:
+    impl.fully_shard(model.embed, reshard_after_forward=raf)
+    impl.fully_shard(model.body, reshard_after_forward=raf)
+    if grouped:
+        impl.fully_shard([model.norm, model.head], reshard_after_forward=raf)
     else:
-        impl.set_unshard_async_op(model, True)
-    optimizer, reference_optimizer = adam(model), adam(reference)
+        impl.fully_shard(model.norm, reshard_after_forward=raf)
+        impl.fully_shard(model.head, reshard_after_forward=raf)
+    impl.fully_shard(model, reshard_after_forward=raf)
+
+
+@pytest.mark.world_size(2)
+@pytest.mark.parametrize("raf", [True, False], ids=lambda v: f"raf={v}")
+def test_partial_group_forward_grad_accumulation_chunked(rank_ctx, impl, raf):
+    """cases.md §2.5: 3 microbatches of forward-without-head + chunked head, gradient sync only
+    on the last; the [norm, head] group accumulates exactly like separate groups."""
+    models = []
+    for grouped in (False, True):
+        torch.manual_seed(42)
+        model = ChunkedHead()
+        shard_chunked_head(impl, model, grouped, raf)
+        models.append(model)
     torch.manual_seed(42 + rank_ctx.rank)
-    for step in range(5):
-        if explicit == "async_unshard":
-            for module in model.modules():
-                if isinstance(module, TransformerBlock):
-                    module.unshard(async_op=True)  # handles dropped: forward waits
-        inp = torch.randint(0, 8, (2, 8))
-        losses = [m(inp).sum() for m in (model, reference)]
-        for loss in losses:
-            loss.backward()
-        assert_losses_equal(step, *losses)
-        average_gradients(reference)
-        for opt in (optimizer, reference_optimizer):
-            opt.step()
-            opt.zero_grad()
-    assert_sharded_parity(reference, model, check_grads=False)
+    token_batches = [torch.randint(0, 128, (2, 16)) for _ in range(3)]
+    for model in models:
+        for microbatch, tokens in enumerate(token_batches):
+            last = microbatch == len(token_batches) - 1
+            model.set_requires_gradient_sync(last)
+            model.set_is_last_backward(last)
+            h = model(tokens, skip_head=True)
+            chunk_grads = []
+            for chunk in h.detach().chunk(2, dim=1):
+                chunk = chunk.contiguous().requires_grad_(True)
+                model.head(chunk).sum().backward()
+                chunk_grads.append(chunk.grad)
+            h.backward(torch.cat(chunk_grads, dim=1))
+    separate, grouped = models
+    for (name, p), q in zip(separate.named_parameters(), grouped.parameters(), strict=True):
+        assert p.grad is not None and q.grad is not None, name
+        torch.testing.assert_close(q.grad.to_local(), p.grad.to_local(), msg=name)
+
+
+@pytest.mark.world_size(2)
+@pytest.mark.parametrize("initial_reshard", [False, True], ids=lambda v: f"raf={v}")
+def test_partial_group_reshard_toggle(rank_ctx, impl, initial_reshard):
+    """cases.md §2.5: the head of a [norm, head] group is kept unsharded across chunked
+    standalone calls (both reshard flags off, no recurse), then resharded by hand."""
+    torch.manual_seed(42)
+    model = ChunkedHead()
+    impl.fully_shard(model.embed)
+    impl.fully_shard(model.body)
+    impl.fully_shard([model.norm, model.head], reshard_after_forward=initial_reshard)
+    impl.fully_shard(model)
+    optimizer = adam(model)
+    tokens = torch.randint(0, 128, (2, 16))
+    for step in range(3):
+        h = model(tokens, skip_head=True)
+        model.head.set_reshard_after_forward(False, recurse=False)
+        model.head.set_reshard_after_backward(False, recurse=False)
+        chunk_grads = []
+        with CommTracer(functional=False) as trace:
+            for chunk in h.detach().chunk(4, dim=1):
+                chunk = chunk.contiguous().requires_grad_(True)
+                model.head(chunk).sum().backward()
+                chunk_grads.append(chunk.grad)
+                assert impl.is_group_unsharded(model.head), f"step {step}"
+        # Gathered in forward at most once for the four chunks: it stays unsharded between them.
+        # (Backward may prefetch another group: the implicit guess from forward order.)
+        assert trace.count("all_gather", phase="forward") <= 1, trace.schedule()
+        model.head.set_reshard_after_forward(True, recurse=False)
+        model.head.set_reshard_after_backward(True, recurse=False)
+        model.head.reshard()
+        assert not impl.is_group_unsharded(model.head)
+        h.backward(torch.cat(chunk_grads, dim=1))
+        assert all(p.grad is not None for p in model.parameters())
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=step % 2 == 0)
+
+
+@pytest.mark.world_size(2)
+def test_tied_weight_across_groups_error_names_the_modules(rank_ctx, impl):
+    model = TiedModel()
+    impl.fully_shard(model.tok_embeddings)
+    impl.fully_shard(model.output)
+    impl.fully_shard(model)
+    with pytest.raises(ValueError, match="already managed by another") as info:
+        model(torch.randint(0, 17, (2, 8)))
+    message = str(info.value)
+    assert "output" in message, message  # the parameter found a second time
+    if impl.name == "reference":
+        # Stricter than torch (whose message names only the parameter): both groups' modules.
+        assert "tok_embeddings" in message and "output (" in message, message
+
+
+@pytest.mark.world_size(4)
+def test_registered_forward_method_ws4(rank_ctx, impl):
+    test_registered_forward_method(rank_ctx, impl)
+
+
+@pytest.mark.world_size(2)
+def test_registered_forward_method_replicate(rank_ctx, impl):
+    """cases.md §3.8: the same with ``replicate``."""
+    if not impl.supports("replicate"):
+        pytest.skip(f"UNSUPPORTED: {impl.name} does not declare replicate")
+    model = Encoded()
+    reference = copy.deepcopy(model)
+    impl.replicate(model.encoder)
+    impl.replicate(model.projector)
+    impl.replicate(model)
+    impl.register_fsdp_forward_method(model.encoder, "forward_features")
+    torch.manual_seed(42 + rank_ctx.rank + 1)
+    inp = torch.randn(2, 3, 32, 32)
+    losses = [m(inp).sum() for m in (model, reference)]
+    assert_losses_equal(0, *losses)
+    for loss in losses:
+        loss.backward()
+    average_gradients(reference)
+    assert_sharded_parity(reference, model)
