@@ -118,6 +118,12 @@ class ConformancePlugin:
 
     def pytest_distconform_reproducer_args(self, config: pytest.Config) -> list[str]:
         args: list[str] = []
+        try:
+            spec = config.getoption("impl")
+        except ValueError:  # the suites' plugin (and its --impl) is not active
+            spec = None
+        if spec:
+            args += ["--impl", spec]
         for module in config.getoption("backend_plugin"):
             args += ["--backend-plugin", module]
         if config.getoption("expectations"):

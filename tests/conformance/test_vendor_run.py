@@ -193,7 +193,7 @@ def test_xfail_entries_carry_category_link_and_evidence(vendor_run):
     assert (known["category"], known["link"]) == ("COMM", "https://example.invalid/acme/1")
     assert "rank 1 disagrees" in known["message"] + known["detail"]
     # The reproducer repeats what the run needs beyond the defaults.
-    assert "--backend-plugin acme_backend" in known["detail"]
+    assert "--impl acme_fsdp:implementation --backend-plugin acme_backend" in known["detail"]
     assert by_name["test_fixed_difference[ws2]"]["category"] == "NUMERICS"
     assert by_name["test_needs_hsdp"]["reason"] == "UNSUPPORTED: needs capability hsdp"
 
