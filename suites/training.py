@@ -73,7 +73,10 @@ class Expected:
 
 @contextlib.contextmanager
 def counting() -> Iterator[CommTracer]:
-    with CommTracer() as trace:
+    """Trace this rank's collectives. ``functional=False``: the wrapped ``torch.distributed``
+    functions are what FSDP2-style implementations call, and no torch function or dispatch
+    mode then sits under every tensor op of the step."""
+    with CommTracer(functional=False) as trace:
         yield trace
 
 
