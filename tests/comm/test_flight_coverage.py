@@ -57,9 +57,13 @@ def test_the_recorder_sees_point_to_point_and_functional_collectives(rank_ctx):
             DTensor.from_local(torch.ones(2), mesh, [Shard(0)], run_check=False).full_tensor()
             (_ReduceGradInBackward.apply(weight, group_name) * 2).sum().backward()
         calls = read_rank_trace(directory, rank)
-    peer = 1 - rank
-    send = ("send", "ProcessGroup.send", peer, ((3,),), 0)  # sends contribute their tensor
-    recv = ("recv", "ProcessGroup.recv", peer, (), 3)  # receives fill theirs
+    if rank_ctx.launcher == "thread":
+        # The threaded backend's groups have their own send/recv; its listener reports them.
+        send_api, recv_api, peer = "threaded.send", "threaded.recv", None
+    else:
+        send_api, recv_api, peer = "ProcessGroup.send", "ProcessGroup.recv", 1 - rank
+    send = ("send", send_api, peer, ((3,),), 0)  # sends contribute their tensor
+    recv = ("recv", recv_api, peer, (), 3)  # receives fill theirs
     recorded = [(c.kind, c.api, c.peer, c.shapes, c.out_numel) for c in calls]
     # isend/irecv, then batch_isend_irecv (which goes through isend/irecv too).
     assert recorded[:4] == ([send, recv] if rank == 0 else [recv, send]) * 2, recorded

@@ -95,8 +95,10 @@ def test_a_wrapper_runs_on_the_chosen_ranks_only(rank_ctx):
 def test_nothing_stays_patched_after_exit_even_after_an_error(rank_ctx):
     from torch.distributed.tensor import DTensor, Shard
 
-    before, users = _dist_functions(), active_users()
-    dist.barrier()  # thread launcher: no rank installs the shared wrappers before all looked
+    before = _dist_functions()
+    dist.barrier()  # thread launcher: every rank thread's flight recorder is entered
+    users = active_users()
+    dist.barrier()  # and no rank installs more wrappers before all looked
     mesh = rank_ctx.mesh(2, ("dp",))
     shard = DTensor.from_local(torch.ones(2), mesh, [Shard(0)], run_check=False)
     with (
@@ -114,11 +116,16 @@ def test_nothing_stays_patched_after_exit_even_after_an_error(rank_ctx):
     assert after == before, ([n for n in after if after[n] is not before[n]], active_users())
     assert active_users() == users
     dist.barrier()  # and no rank enters the next tracer while another one still checks
-    # A torch function mode left on the stack would hand this functional all-gather to
-    # the tracer below, which asked for no mode of its own, as a "funcol." call. (On the
-    # thread launcher the backend's listener reports it, as a "threaded." call.)
+    # A dispatch mode left on the stack would hand this all-gather, called through its
+    # overload (which the op packets' wrappers never see), to the tracer below, which asked
+    # for no mode of its own, as a "funcol." call. (On the thread launcher the backend's
+    # listener reports it, as a "threaded." call.)
+    group_name = mesh.get_group(0).group_name
     with CommTracer(functional=False) as trace:
-        shard.full_tensor()
+        gathered = torch.ops._c10d_functional.all_gather_into_tensor.default(
+            shard.to_local(), 2, group_name
+        )
+        torch.ops._c10d_functional.wait_tensor(gathered)
     assert not [c for c in trace.calls if c.api.startswith("funcol.")], trace.calls
 
 
