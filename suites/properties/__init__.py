@@ -4,8 +4,8 @@ Examples are drawn in the pytest process and each one runs on its own ranks thro
 :func:`harness.conformance.ranks.run_in_session` on the thread launcher (world sizes 1 to 8
 cost one host process each, whatever the session's launcher). Profiles:
 
-- ``distconform-ci`` (the default): derandomized, few examples, no example database, so
-  every run of the default suite draws the same examples;
+- ``distconform-ci`` (the default): derandomized, 3 examples at world sizes up to 4, no
+  example database, so every run of the default suite draws the same examples;
 - ``distconform-slow``: derandomized, many examples (the ``slow`` tests use it);
 - ``distconform-explore``: random, many examples, for hunting new counterexamples.
 

@@ -28,7 +28,13 @@ from torch import nn
 from harness import DistributedFailure, get_rank_context
 from harness.conformance.ranks import run_in_session
 from harness.parity import ReferenceModel, assert_losses_equal, assert_sharded_parity
-from suites.properties.strategies import REPLAY_ENV, TrainingExample, profile, training_examples
+from suites.properties.strategies import (
+    MAX_WORLD_SIZE,
+    REPLAY_ENV,
+    TrainingExample,
+    profile,
+    training_examples,
+)
 
 LEARNING_RATE = 0.1
 
@@ -101,14 +107,16 @@ def check_example(
         ) from None
 
 
-def run_property(request: pytest.FixtureRequest, impl: Any, tolerance: Any, settings) -> None:
+def run_property(
+    request: pytest.FixtureRequest, impl: Any, tolerance: Any, settings, max_world_size: int
+) -> None:
     replay = os.environ.get(REPLAY_ENV)
     if replay:
         check_example(request, impl, TrainingExample.from_json(replay), tolerance)
         return
 
     @settings
-    @given(example=training_examples(frozenset(impl.capabilities)))
+    @given(example=training_examples(frozenset(impl.capabilities), max_world_size))
     def sharded_training_matches(example: TrainingExample) -> None:
         check_example(request, impl, example, tolerance)
 
@@ -116,9 +124,10 @@ def run_property(request: pytest.FixtureRequest, impl: Any, tolerance: Any, sett
 
 
 def test_sharded_training_matches_a_plain_model(request, impl, conformance_tolerance):
-    run_property(request, impl, conformance_tolerance, profile("distconform-ci"))
+    # The default run stays cheap: world sizes up to 4; the slow test draws up to 8.
+    run_property(request, impl, conformance_tolerance, profile("distconform-ci"), 4)
 
 
 @pytest.mark.slow
 def test_sharded_training_matches_a_plain_model_many_examples(request, impl, conformance_tolerance):
-    run_property(request, impl, conformance_tolerance, profile("distconform-slow"))
+    run_property(request, impl, conformance_tolerance, profile("distconform-slow"), MAX_WORLD_SIZE)
