@@ -81,7 +81,6 @@ ALL_ROWS = [
 ]
 # What runs in the default (not slow) selection: one row per feature the grid exercises.
 DEFAULT_ROWS = {
-    Row(False, True, "all", True, False, False),
     Row(False, False, "root_only", False, False, False),
     Row(True, False, "some_mlps", True, False, True),
     Row(True, True, "all", True, True, False),

@@ -133,8 +133,15 @@ def test_train_parity_with_activation_checkpointing(rank_ctx, impl, kind, groupi
 
 
 @pytest.mark.world_size(2)
-@pytest.mark.parametrize("kind", ["utils", "in_place"])
-@pytest.mark.parametrize("raf", [True, False], ids=lambda v: f"raf={v}")
+@pytest.mark.parametrize(
+    ("kind", "raf"),
+    [
+        pytest.param("utils", True, id="utils-raf=True"),
+        pytest.param("utils", False, id="utils-raf=False", marks=pytest.mark.slow),
+        pytest.param("in_place", True, id="in_place-raf=True", marks=pytest.mark.slow),
+        pytest.param("in_place", False, id="in_place-raf=False", marks=pytest.mark.slow),
+    ],
+)
 def test_double_forward_with_nested_groups_and_checkpointing(rank_ctx, impl, kind, raf):
     """cases.md §2.5: two forwards, one backward, with attention and feed-forward sharded
     inside each (checkpointed) block; every parameter gets the reference's gradient."""
@@ -155,11 +162,18 @@ def test_double_forward_with_nested_groups_and_checkpointing(rank_ctx, impl, kin
     assert_sharded_parity(reference, model, rtol=1e-4, atol=1e-3)
 
 
-@pytest.mark.world_size(2, 4)
+@pytest.mark.world_size(2)
 def test_shared_params_parity(rank_ctx, impl):
     run_shared_params_parity(rank_ctx.rank, impl, checkpointed=False)
 
 
+@pytest.mark.slow
+@pytest.mark.world_size(4)
+def test_shared_params_parity_ws4(rank_ctx, impl):
+    run_shared_params_parity(rank_ctx.rank, impl, checkpointed=False)
+
+
+@pytest.mark.slow
 @pytest.mark.world_size(2)
 def test_shared_params_parity_with_checkpointing(rank_ctx, impl):
     run_shared_params_parity(rank_ctx.rank, impl, checkpointed=True)

@@ -117,10 +117,25 @@ def run_gradient_accumulation(rank_ctx, impl, raf: bool, mode: str, rab: bool) -
 # --- 1F1B microbatching (cases.md §2.9 test_1f1b_microbatching, §3.7 for replicate) -----------
 
 
+def microbatching_params():
+    # Two of the eight in the default run; the rest are slow.
+    default = {("fully_shard", True, False), ("replicate", False, True)}
+    return [
+        pytest.param(
+            api,
+            explicit,
+            rab,
+            id=f"{api}-explicit={explicit}-rab={rab}",
+            marks=() if (api, explicit, rab) in default else pytest.mark.slow,
+        )
+        for api in ("fully_shard", "replicate")
+        for explicit in (False, True)
+        for rab in (False, True)
+    ]
+
+
 @pytest.mark.world_size(2)
-@pytest.mark.parametrize("api", ["fully_shard", "replicate"])
-@pytest.mark.parametrize("explicit_unshard", [False, True], ids=lambda v: f"explicit={v}")
-@pytest.mark.parametrize("rab", [False, True], ids=lambda v: f"rab={v}")
+@pytest.mark.parametrize(("api", "explicit_unshard", "rab"), microbatching_params())
 def test_1f1b_microbatching(rank_ctx, impl, api, explicit_unshard, rab):
     if api == "replicate" and not impl.supports("replicate"):
         pytest.skip(f"UNSUPPORTED: {impl.name} does not declare replicate")

@@ -102,8 +102,18 @@ backward reduce_scatter world f32[416]
     )
 
 
-@pytest.mark.world_size(2, 4)
+@pytest.mark.world_size(2)
 def test_explicit_prefetch_lists_keep_numerics(rank_ctx, impl):
+    run_explicit_prefetch_lists(rank_ctx, impl)
+
+
+@pytest.mark.slow
+@pytest.mark.world_size(4)
+def test_explicit_prefetch_lists_keep_numerics_ws4(rank_ctx, impl):
+    run_explicit_prefetch_lists(rank_ctx, impl)
+
+
+def run_explicit_prefetch_lists(rank_ctx, impl) -> None:
     require(impl, "prefetch")
     model, reference = sharded_transformer(impl)
     layers = list(model.layers)
@@ -155,6 +165,7 @@ def test_async_unshard_handle(rank_ctx, impl):
     assert_sharded_parity(reference, model)
 
 
+@pytest.mark.slow
 @pytest.mark.world_size(2, 4)
 def test_async_unshard_every_step_keeps_numerics(rank_ctx, impl):
     require(impl, "async_unshard")
@@ -177,8 +188,18 @@ def test_async_unshard_every_step_keeps_numerics(rank_ctx, impl):
             opt.zero_grad()
 
 
-@pytest.mark.world_size(2, 4)
+@pytest.mark.world_size(2)
 def test_unshard_in_backward_false_skips_the_gather(rank_ctx, impl):
+    run_unshard_in_backward_false(rank_ctx, impl)
+
+
+@pytest.mark.slow
+@pytest.mark.world_size(4)
+def test_unshard_in_backward_false_skips_the_gather_ws4(rank_ctx, impl):
+    run_unshard_in_backward_false(rank_ctx, impl)
+
+
+def run_unshard_in_backward_false(rank_ctx, impl) -> None:
     torch.manual_seed(42)
     model = Transformer(ModelArgs(n_layers=2, dropout_p=0.0, weight_tying=False))
     reference = copy.deepcopy(model)

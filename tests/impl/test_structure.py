@@ -227,6 +227,7 @@ def test_registered_forward_method(rank_ctx, impl):
 # --- more of cases.md §2.5, §2.8 and §2.13 -------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.world_size(4)
 def test_non_root_forward_backward_ws4(rank_ctx, impl):
     test_non_root_forward_backward(rank_ctx, impl)
@@ -263,7 +264,9 @@ def shard_chunked_head(impl, model: nn.Module, grouped: bool, raf: bool = True) 
 
 
 @pytest.mark.world_size(2)
-@pytest.mark.parametrize("raf", [True, False], ids=lambda v: f"raf={v}")
+@pytest.mark.parametrize(
+    "raf", [True, pytest.param(False, marks=pytest.mark.slow)], ids=lambda v: f"raf={v}"
+)
 def test_partial_group_forward_grad_accumulation_chunked(rank_ctx, impl, raf):
     """cases.md §2.5: 3 microbatches of forward-without-head + chunked head, gradient sync only
     on the last; the [norm, head] group accumulates exactly like separate groups."""
@@ -294,7 +297,9 @@ def test_partial_group_forward_grad_accumulation_chunked(rank_ctx, impl, raf):
 
 
 @pytest.mark.world_size(2)
-@pytest.mark.parametrize("initial_reshard", [False, True], ids=lambda v: f"raf={v}")
+@pytest.mark.parametrize(
+    "initial_reshard", [pytest.param(False, marks=pytest.mark.slow), True], ids=lambda v: f"raf={v}"
+)
 def test_partial_group_reshard_toggle(rank_ctx, impl, initial_reshard):
     """cases.md §2.5: the head of a [norm, head] group is kept unsharded across chunked
     standalone calls (both reshard flags off, no recurse), then resharded by hand."""
@@ -345,6 +350,7 @@ def test_tied_weight_across_groups_error_names_the_modules(rank_ctx, impl):
         assert "tok_embeddings" in message and "output (" in message, message
 
 
+@pytest.mark.slow
 @pytest.mark.world_size(4)
 def test_registered_forward_method_ws4(rank_ctx, impl):
     test_registered_forward_method(rank_ctx, impl)
