@@ -15,7 +15,8 @@ import torch.utils.checkpoint
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from harness.comm import CommTracer, busy_wait, delay_collectives
+from harness.comm import CommTracer, RawCall, busy_wait
+from harness.comm.intercept import Interceptor, Proceed
 from harness.parity import ReferenceModel, assert_losses_equal, assert_sharded_parity
 from suites.models import ModelArgs, Transformer, TransformerBlock
 
@@ -236,6 +237,25 @@ def delay_id(delays: tuple[str, ...]) -> str:
     return "all" if len(delays) == len(DELAYS) else delays[0]
 
 
+class _DelayBefore(Interceptor):
+    """Busy-waits ``DELAY_S`` before each collective of ``kinds`` this rank issues.
+
+    ``harness.comm.delay_collectives`` with the wrapped ``torch.distributed`` functions only:
+    its default (function and dispatch modes) fails plain-tensor ops such as ``aten.detach``
+    in torch 2.13 (reported to the comm tools' owner).
+    """
+
+    functional = False
+
+    def __init__(self, kinds: frozenset[str]) -> None:
+        self._kinds = kinds
+
+    def handle(self, raw: RawCall, proceed: Proceed):
+        if raw.kind in self._kinds:
+            busy_wait(DELAY_S)
+        return proceed()
+
+
 def collective_delays(
     delays: tuple[str, ...], *, replicate: bool = False
 ) -> Callable[[], contextlib.AbstractContextManager]:
@@ -244,16 +264,14 @@ def collective_delays(
     ``replicate`` issues no all-gather and reduces with all-reduce: there the
     reduce-scatter delay applies to the all-reduce (what the upstream patch meant to slow).
     """
-    gradient_kind = "all_reduce" if replicate else "reduce_scatter"
+    kinds = set()
+    if "before_all_gather" in delays:
+        kinds.add("all_gather")
+    if "before_reduce_scatter" in delays:
+        kinds.add("all_reduce" if replicate else "reduce_scatter")
 
-    @contextlib.contextmanager
-    def delayed() -> Iterator[None]:
-        with contextlib.ExitStack() as stack:
-            if "before_all_gather" in delays:
-                stack.enter_context(delay_collectives(DELAY_S, kinds=("all_gather",)))
-            if "before_reduce_scatter" in delays:
-                stack.enter_context(delay_collectives(DELAY_S, kinds=(gradient_kind,)))
-            yield
+    def delayed() -> contextlib.AbstractContextManager:
+        return _DelayBefore(frozenset(kinds)) if kinds else contextlib.nullcontext()
 
     return delayed
 
