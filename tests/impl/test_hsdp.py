@@ -83,7 +83,7 @@ def test_hsdp_shard_dim_of_one_rank(rank_ctx, impl):
     reference = copy.deepcopy(model)
     shard_children_and_root(impl, mesh, True)(model)
     inp = torch.randn(4, 5)
-    with CommTracer(mesh=mesh) as trace:
+    with CommTracer(mesh=mesh, functional=False) as trace:
         model(inp).sum().backward()
     reference(inp).sum().backward()
     average_gradients(reference)
@@ -107,7 +107,7 @@ def test_hsdp_placements_and_comm_groups(rank_ctx, impl):
         assert param.placements == (Replicate(), Shard(0)), (name, param.placements)
         assert param.device_mesh.mesh_dim_names == HSDP_NAMES
     inp = torch.randn(8, 6)
-    with CommTracer(mesh=mesh) as trace:
+    with CommTracer(mesh=mesh, functional=False) as trace:
         model(inp).sum().backward()
     # Every group: gathers and reduce-scatters within dp_shard, all-reduces across
     # dp_replicate, one all-reduce after each reduce-scatter.

@@ -101,7 +101,7 @@ def run_bf16_parity(rank_ctx, impl, reduce_dtype: torch.dtype | None) -> None:
     torch.manual_seed(42 + rank_ctx.rank + 1)
     for step in range(5):
         inp = torch.randn(4, 8)
-        with CommTracer() as trace:
+        with CommTracer(functional=False) as trace:
             out = model(inp)
             loss = out.sum()
             loss.backward()
@@ -164,7 +164,7 @@ def test_bf16_replicate_parity(rank_ctx, impl):
     torch.manual_seed(42 + rank_ctx.rank + 1)
     for step in range(3):
         inp = torch.randn(4, 8)
-        with CommTracer() as trace:
+        with CommTracer(functional=False) as trace:
             loss = model(inp).sum()
             loss.backward()
         assert_losses_equal(step, loss, reference.forward_backward(inp))
