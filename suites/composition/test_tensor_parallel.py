@@ -177,7 +177,7 @@ def test_3d_hsdp_tp(rank_ctx, impl, raf, ac, mlp_dim):
 
 @pytest.mark.world_size(4)
 @requires("tp", "replicate")
-@default_run("ws4-ac=False-dim=5")
+@default_run()  # all slow: the 2-D fully_shard item stands for TP in the default run
 @pytest.mark.parametrize(("ac", "mlp_dim"), grid(("ac", (False, True)), ("dim", MLP_DIMS)))
 def test_replicate_tp(rank_ctx, impl, ac, mlp_dim):
     names = ("dp_replicate", "tp")
@@ -322,6 +322,7 @@ def test_shard_placement_fn_tp_ep(rank_ctx, impl, tp, dp_replicate, reshard):
         reference.step(set_to_none=set_to_none)
 
 
+@pytest.mark.slow
 @pytest.mark.world_size(2)
 def test_cpu_attention_on_tp_activations_has_no_sharding_strategy(rank_ctx):
     """The evidence for the ``CPU:`` skip above: on CPU, torch 2.13 has no DTensor sharding

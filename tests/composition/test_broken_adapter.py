@@ -12,6 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 PIPELINE_GRADIENT_CASE = (
     "suites/composition/test_pipeline.py::test_pipeline_parity[ws4-1F1B-fully_shard-fp32]"
@@ -29,6 +31,7 @@ def run_case(spec: str) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.slow  # a whole inner pytest session: 15 s of CPU at best, minutes under load
 def test_pipeline_gradient_case_fails_without_gradient_average():
     result = run_case("tests.composition.adapters:no_grad_average")
     output = result.stdout + result.stderr
