@@ -37,14 +37,12 @@ ROWS = [
         "test_gradient_accumulation[ws2-mesh=1d-raf=True-mode=some_mlps-rab=True-offload=none-rso=False]",
         "ignore_gradient_sync",
         "collectives",
-        fast=True,
     ),
     row(
         "test_registration",
         "test_param_registration_after_backward[ws4-groups=multi-raf=True]",
         "never_reshard",
         "expected a DTensor",
-        fast=True,
     ),
     row(
         "test_hsdp",
