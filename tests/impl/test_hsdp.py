@@ -90,8 +90,8 @@ def test_hsdp_shard_dim_of_one_rank(rank_ctx, impl):
     assert_sharded_parity(reference, model)
     assert trace.count("all_reduce", group="dp_replicate") == 4
     assert trace.count("reduce_scatter") == 0
-    # torch's FSDP2 still issues its all-gathers on the 1-rank shard group; the reference
-    # skips them. Both are correct: a 1-rank all-gather moves no data.
+    # Whether a 1-rank shard group "all-gathers" is an implementation detail (it moves no
+    # data); gathering across replicas never is.
     assert trace.count("all_gather", group="dp_replicate") == 0
 
 
