@@ -15,13 +15,15 @@ Four paths feed one chain of interceptors (tracers, recorders, injectors):
   from forward, from autograd hooks and custom ``Function.backward`` on any thread, and
   from the optimizer, and cost nothing to other torch calls: the always-on flight
   recorder uses only them;
-- interceptors that ask for it (``functional=True``, the tracer's default) also push a
-  ``TorchDispatchMode``, which sees a functional collective however it was called (an
-  overload such as ``.default`` held by C++ or traced code). Unlike a torch function mode,
-  a dispatch mode stays active inside the autograd engine, device threads included. They
-  also push a ``torch.overrides.TorchFunctionMode``, for ``torch.distributed`` functions
-  called through a reference taken before the wrapping. Both cost a few microseconds
-  per torch op while active;
+- interceptors that ask for it (``dispatch=True``) also push a ``TorchDispatchMode``,
+  which sees a functional collective however it was called (an overload such as
+  ``.default`` held by C++ or traced code). Unlike a torch function mode, a dispatch mode
+  stays active inside the autograd engine, device threads included. It is opt-in: it
+  costs a few microseconds per op, and a Python dispatch mode can change the order in
+  which the autograd engine runs ready nodes (module backward hooks against tensor hooks).
+  Interceptors with ``functional=True`` (the tracer's default) push a
+  ``torch.overrides.TorchFunctionMode``, for ``torch.distributed`` functions called
+  through a reference taken before the wrapping;
 - on the thread launcher, the threaded backend's listener (harness/threads/observe.py)
   reports what the backend executes, backward included.
 
@@ -91,10 +93,11 @@ class Interceptor:
 
     Subclasses implement :meth:`handle`: called before the collective is issued, it must
     call ``proceed()`` exactly once and return its value. ``functional`` adds the torch
-    dispatch and function mode paths (see the module docstring).
+    function mode path, ``dispatch`` the dispatch mode path (see the module docstring).
     """
 
     functional = True
+    dispatch = False
     _released = True  # until entered
 
     def handle(self, raw: RawCall, proceed: Proceed) -> Any:
@@ -110,7 +113,9 @@ class Interceptor:
             with _registry_lock:
                 _process_interceptors = (*_process_interceptors, self)
         _acquire_wrappers()
-        self._modes = (_CollectiveMode(), _dispatch_mode()) if self.functional else ()
+        self._modes = ((_CollectiveMode(),) if self.functional else ()) + (
+            (_dispatch_mode(),) if self.dispatch else ()
+        )
         for mode in self._modes:
             mode.__enter__()
         return self
@@ -212,11 +217,14 @@ def _dispatch_mode() -> Any:
     if _dispatch_mode_class is None:
         base = _torch_private.torch_dispatch_mode_class()
 
+        from torch.distributed.tensor import DTensor
+
         def torch_dispatch(self, func, types, args=(), kwargs=None):
             kwargs = kwargs or {}
-            if types:
-                # A tensor subclass (DTensor) is an argument: let it run first, with this
-                # mode still active, so the collectives it issues come back through here.
+            if any(issubclass(t, DTensor) for t in types):
+                # Let DTensor run first, with this mode still active, so the collectives
+                # its redistribution issues come back through here. (Other types, plain
+                # tensors included, are run as they are.)
                 return NotImplemented
             # Higher-order operators arrive here too; no functional name, so they run as is.
             name = _functional_name(func) if not _state.handling else None
@@ -309,6 +317,14 @@ class _SeenFunctionalOp:
 
     def __getattr__(self, attr: str) -> Any:
         return getattr(self._packet, attr)
+
+    # Code that collects packets from the namespace while this stands in (CommDebugMode's
+    # registry) must still find the real packet an op reports as its ``_overloadpacket``.
+    def __eq__(self, other: object) -> bool:
+        return other is self or other is self._packet
+
+    def __hash__(self) -> int:
+        return hash(self._packet)
 
     def __repr__(self) -> str:
         return repr(self._packet)

@@ -92,8 +92,10 @@ class CommTracer(Interceptor):
     ``world`` for the default group, else ``ranks[...]``. Phases: the innermost
     ``with trace.phase(name)`` if any, else what the stack shows (``auto_phase``):
     ``forward`` / ``backward`` / ``optimizer``, or ``-``. ``functional=False`` skips the
-    torch function and dispatch modes (no per-op cost): functional collectives are then
-    seen only when called through their op packets, as DTensor and funcol call them.
+    torch function mode (no per-op cost). Functional collectives are seen when called
+    through their op packets, as DTensor and funcol call them, in forward and backward;
+    ``dispatch=True`` also sees them called any other way (an overload such as
+    ``.default``), at a per-op cost.
     """
 
     def __init__(
@@ -103,8 +105,10 @@ class CommTracer(Interceptor):
         group_labels: Mapping[Any, str] | None = None,
         auto_phase: bool = True,
         functional: bool = True,
+        dispatch: bool = False,
     ) -> None:
         self.functional = functional
+        self.dispatch = dispatch
         labels: dict[str, str] = {}
         if mesh is not None:
             labels.update(mesh_group_labels(mesh))

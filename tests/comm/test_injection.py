@@ -103,7 +103,7 @@ def test_nothing_stays_patched_after_exit_even_after_an_error(rank_ctx):
     shard = DTensor.from_local(torch.ones(2), mesh, [Shard(0)], run_check=False)
     with (
         pytest.raises(ZeroDivisionError),
-        CommTracer(),
+        CommTracer(dispatch=True),
         delay_collectives(0.01),
         wrap_collectives(lambda c, p: p()),
     ):
