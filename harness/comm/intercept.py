@@ -19,8 +19,7 @@ Four paths feed one chain of interceptors (tracers, recorders, injectors):
   which sees a functional collective however it was called (an overload such as
   ``.default`` held by C++ or traced code). Unlike a torch function mode, a dispatch mode
   stays active inside the autograd engine, device threads included. It is opt-in: it
-  costs a few microseconds per op, and a Python dispatch mode can change the order in
-  which the autograd engine runs ready nodes (module backward hooks against tensor hooks).
+  costs a few microseconds per torch op.
   Interceptors with ``functional=True`` (the tracer's default) push a
   ``torch.overrides.TorchFunctionMode``, for ``torch.distributed`` functions called
   through a reference taken before the wrapping;
