@@ -16,13 +16,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from suites.models import MLP
 from tests.impl.comm_count import trace_collectives
 
-# An int below the world size makes torch's FSDP2 build a sub-mesh whose groups the harness
-# destroys after the test, while torch keeps that mesh cached by value: the next test in the
-# same pool that builds an equal sub-mesh fails with "Could not resolve the process group".
-# Such tests get a pool of their own.
-isolated = pytest.mark.fresh_pool
-RAF_2 = pytest.param(2, marks=isolated)
-RESHARD_AFTER_FORWARD = [True, False, RAF_2, None]
+RESHARD_AFTER_FORWARD = [True, False, 2, None]
 
 
 def raf_id(value: object) -> str:
@@ -111,7 +105,7 @@ def test_multi_group_registration(rank_ctx, impl, raf):
 
 
 @pytest.mark.world_size(4)
-@pytest.mark.parametrize("raf", [True, False, RAF_2], ids=raf_id)
+@pytest.mark.parametrize("raf", [True, False, 2], ids=raf_id)
 def test_registration_after_backward(rank_ctx, impl, raf):
     single = MLP(8)
     impl.fully_shard(single, reshard_after_forward=raf)
@@ -246,7 +240,6 @@ def test_root_forward_inputs(rank_ctx, impl):
     nested(x, ys).sum().backward()
 
 
-@isolated
 @pytest.mark.world_size(4)
 def test_int_reshard_after_forward_gathers_within_smaller_groups(rank_ctx, impl):
     model = MLP(8)

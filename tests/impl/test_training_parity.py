@@ -36,8 +36,6 @@ from suites.models import MLP, MLPStack, ModelArgs, TiedModel, Transformer, Tran
 from tests.impl.comm_count import count_collectives
 
 STEPS = 10
-# reshard_after_forward=2 at ws 4: torch builds a sub-mesh; see test_registration.py.
-isolated = pytest.mark.fresh_pool
 SUMMED_LOGITS_GRAD_TOLERANCE = (1e-3, 1e-3)
 slow = pytest.mark.slow
 
@@ -208,7 +206,7 @@ def test_multi_group_mlp_stack(rank_ctx, impl, raf):
 @pytest.mark.parametrize(
     "raf",
     [
-        pytest.param(2, marks=isolated),
+        2,
         pytest.param(True, marks=slow),
         pytest.param(False, marks=slow),
     ],
@@ -260,7 +258,7 @@ def test_multi_group_transformer(rank_ctx, impl, raf):
 @pytest.mark.world_size(4)
 @pytest.mark.parametrize(
     "raf",
-    [True, pytest.param(False, marks=slow), pytest.param(2, marks=[slow, isolated])],
+    [True, pytest.param(False, marks=slow), pytest.param(2, marks=slow)],
     ids=raf_id,
 )
 def test_multi_group_transformer_ws4(rank_ctx, impl, raf):
