@@ -61,6 +61,19 @@ def _extra_all_reduce(module: nn.Module, args: Any) -> None:
     dist.all_reduce(torch.zeros(1))
 
 
+def _drop_all_reduce(module: nn.Module) -> None:
+    # torch's set_requires_gradient_sync turns the all-reduce back on: turn it off after.
+    sync, all_reduce = module.set_requires_gradient_sync, module.set_requires_all_reduce
+    all_reduce(False, recurse=False)
+
+    def set_requires_gradient_sync(requires: bool, *, recurse: bool = True) -> None:
+        sync(requires, recurse=recurse)
+        all_reduce(False, recurse=recurse)
+
+    module.set_requires_gradient_sync = set_requires_gradient_sync
+    module.set_requires_all_reduce = _noop
+
+
 class BrokenImplementation(Implementation):
     """``base`` with one behaviour broken (see the module docstring)."""
 
@@ -88,8 +101,7 @@ class BrokenImplementation(Implementation):
                 module.set_reshard_after_backward = _noop
                 module.set_reshard_after_forward = _noop
             elif self.breakage == "drop_hsdp_all_reduce":
-                module.set_requires_all_reduce(False, recurse=False)
-                module.set_requires_all_reduce = _noop
+                _drop_all_reduce(module)
             elif self.breakage == "always_communicate":
                 module.register_forward_pre_hook(_extra_all_reduce)
             else:

@@ -78,7 +78,7 @@ ROWS = [
         "skip_grad_average",
         "gradient of",
     ),
-    row("test_prefetch", "test_explicit_prefetching[ws2]", "never_reshard", "collectives"),
+    row("test_prefetch", "test_explicit_prefetching[ws2]", "never_reshard", "gradient of"),
     row(
         "test_share_comm_ctx",
         "test_share_comm_context[ws2]",
