@@ -2,7 +2,9 @@
 
 Each layer's forward and backward pre-hooks put a mark in the trace, so the schedule shows
 which all-gathers happen before which layer runs. With explicit prefetching, entering
-layer i all-gathers layers i+1 and i+2 ahead of their turn (backward: i-1 and i-2); an
+layer i all-gathers layers i+1 and i+2 ahead of their turn (backward: i-1 and i-2). The
+root has no list, so its pre-backward prefetches the last layer implicitly, before that
+layer's backward mark (torch's fully_shard and the reference agree). An
 implementation that ignores the prefetch lists all-gathers each layer on entry, and the
 same assertion fails (shown with an adapter that drops the lists).
 """
@@ -91,8 +93,8 @@ forward  all_gather     world f32[1608]
 forward  all_gather     world f32[1608]
 == forward layers.6
 == forward layers.7
-== backward layers.7
 backward all_gather     world f32[1608]
+== backward layers.7
 backward all_gather     world f32[1608]
 backward all_gather     world f32[1608]
 backward reduce_scatter world f32[3216]
