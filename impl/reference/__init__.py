@@ -46,6 +46,7 @@ class ReferenceImplementation(Implementation):
             "hsdp",
             "mixed_precision",
             "cpu_offload",
+            "activation_checkpointing",
             # Composition (suites/composition): DCP passes; pp fails InterleavedZeroBubble and
             # tp is not implemented yet, so neither is declared.
             "dcp",
