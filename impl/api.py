@@ -47,6 +47,7 @@ KNOWN_CAPABILITIES = frozenset(
         "pp",  # composition with pipeline schedules
         "dcp",  # distributed checkpoint state dicts
         "activation_checkpointing",  # composition with activation checkpointing
+        "ignored_params",  # fully_shard(ignored_params=...): left unsharded and unsynchronized
     }
 )
 
@@ -99,8 +100,13 @@ class Implementation(ABC):
         shard_placement_fn: Callable[[nn.Parameter], Any] | None = None,
         mp_policy: Any = None,
         offload_policy: Any = None,
+        ignored_params: set[nn.Parameter] | None = None,
     ) -> Any:
-        """Shard ``module`` (a list makes one group). ``None`` policies mean the defaults."""
+        """Shard ``module`` (a list makes one group). ``None`` policies mean the defaults.
+
+        ``ignored_params`` (capability ``ignored_params``) stay plain local parameters: not
+        sharded, not gathered, their gradients not reduced.
+        """
 
     @abstractmethod
     def replicate(

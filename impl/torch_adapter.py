@@ -35,6 +35,7 @@ class TorchImplementation(Implementation):
         shard_placement_fn: Callable[[nn.Parameter], Any] | None = None,
         mp_policy: Any = None,
         offload_policy: Any = None,
+        ignored_params: set[nn.Parameter] | None = None,
     ) -> Any:
         return fsdp.fully_shard(
             module,
@@ -43,6 +44,7 @@ class TorchImplementation(Implementation):
             shard_placement_fn=shard_placement_fn,
             mp_policy=mp_policy if mp_policy is not None else fsdp.MixedPrecisionPolicy(),
             offload_policy=offload_policy if offload_policy is not None else fsdp.OffloadPolicy(),
+            ignored_params=ignored_params,
         )
 
     def replicate(

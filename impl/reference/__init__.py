@@ -47,6 +47,7 @@ class ReferenceImplementation(Implementation):
             "mixed_precision",
             "cpu_offload",
             "activation_checkpointing",
+            "ignored_params",
             # Composition (suites/composition): DCP passes; pp fails InterleavedZeroBubble and
             # tp is not implemented yet, so neither is declared.
             "dcp",
@@ -66,6 +67,7 @@ class ReferenceImplementation(Implementation):
         shard_placement_fn: Callable[[nn.Parameter], Any] | None = None,
         mp_policy: Any = None,
         offload_policy: Any = None,
+        ignored_params: set[nn.Parameter] | None = None,
     ) -> Any:
         return fully_shard(
             module,
@@ -74,6 +76,7 @@ class ReferenceImplementation(Implementation):
             shard_placement_fn=shard_placement_fn,
             mp_policy=mp_policy if mp_policy is not None else MixedPrecisionPolicy(),
             offload_policy=offload_policy if offload_policy is not None else OffloadPolicy(),
+            ignored_params=ignored_params,
         )
 
     def replicate(

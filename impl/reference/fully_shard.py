@@ -40,8 +40,12 @@ def fully_shard(
     shard_placement_fn: ShardPlacementFn | None = None,
     mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),  # noqa: B008 (frozen dataclass)
     offload_policy: OffloadPolicy = OffloadPolicy(),  # noqa: B008
+    ignored_params: set[nn.Parameter] | None = None,
 ) -> ModuleOrList:
     """Shard ``module``'s parameters (a list makes one group of several modules).
+
+    ``ignored_params`` are left as they are: plain local parameters on their own device,
+    never gathered, their gradients never reduced (each rank keeps its own).
 
     ``mesh``: 1-D shards over all its ranks; 2-D ``(replicate, shard)`` is HSDP: parameters
     are ``(Replicate(), Shard(d))`` DTensors, all-gathered within the shard dim, gradients
@@ -84,6 +88,7 @@ def fully_shard(
         offload_policy,
         False,
         post_forward_mesh,
+        ignored_params,
     )
 
 
@@ -136,6 +141,7 @@ def _manage(
     offload_policy: OffloadPolicy,
     replicated: bool,
     post_forward_mesh: DeviceMesh | None = None,
+    ignored_params: set[nn.Parameter] | None = None,
 ) -> ModuleOrList:
     require_supported_policies(mp_policy, offload_policy)
     modules = tuple(module) if isinstance(module, list) else (module,)
@@ -159,7 +165,10 @@ def _manage(
     managed: list[ManagedParam] = []
     tied_elsewhere: list[tuple[str, FSDPState]] = []
     by_identity: dict[int, ManagedParam] = {}
+    ignored = {id(p) for p in ignored_params or ()}
     for owner, name, fqn, param in _unmanaged_params(modules):
+        if id(param) in ignored:
+            continue
         if id(param) in by_identity:
             by_identity[id(param)].locations.append(ParamLocation(owner, name))
             continue
