@@ -67,7 +67,7 @@ def _expected_rank(fault: faults.Fault, launcher: str) -> int | None:
     return None if crashes_host else fault.rank
 
 
-@pytest.mark.parametrize(("fault", "launcher", "world_size"), _cases())
+@pytest.mark.parametrize(("fault", "launcher", "world_size"), list(_cases()))
 def test_fault_is_reported_and_the_next_test_passes(battery_pools, fault, launcher, world_size):
     key = PoolKey(
         launcher=launcher,
