@@ -14,16 +14,14 @@ here it checks what it meant: only all-reduces, 4 / 8 / 10 per iteration.
 from __future__ import annotations
 
 import copy
-from collections import Counter
 
 import pytest
 import torch
 from torch import nn
 
-from harness.parity import assert_losses_equal, assert_sharded_parity, average_gradients
 from suites.cases import conformance
 from suites.models import MLP
-from suites.training import Expected, counting
+from suites.training import Expected, accumulate_with_parity
 
 MICROBATCHES = 3
 ITERATIONS = 5
@@ -109,29 +107,20 @@ def run_accumulation(rank_ctx, manage, point: dict, expected: Expected) -> None:
     ref_optimizer = torch.optim.Adam(reference.parameters(), lr=1e-2)
 
     torch.manual_seed(42 + rank_ctx.rank + 1)
-    for iteration in range(ITERATIONS):
-        counts: Counter[str] = Counter()
-        for microbatch in range(MICROBATCHES):
-            last = microbatch == MICROBATCHES - 1
-            set_flags(model, point["mode"], point["rab"], point.get("rso", False), last)
-            inp = torch.randn(2, 32)
-            with counting() as trace:
-                loss = model(inp).sum()
-                loss.backward()
-            counts.update(trace.counts("kind"))
-            ref_loss = reference(inp).sum()
-            ref_loss.backward()
-            assert_losses_equal(iteration * MICROBATCHES + microbatch, loss, ref_loss)
-        actual = {kind: n for kind, n in counts.items() if n}
-        assert actual == expected.as_counts(), (
-            f"iteration {iteration}: collectives {actual}, expected {expected.as_counts()}"
-        )
-        average_gradients(reference)
-        assert_sharded_parity(reference, model)
-        for opt in (optimizer, ref_optimizer):
-            opt.step()
-            opt.zero_grad(set_to_none=iteration % 2 == 1)
-        assert_sharded_parity(reference, model, check_grads=False)
+    accumulate_with_parity(
+        model,
+        reference,
+        (optimizer, ref_optimizer),
+        iterations=ITERATIONS,
+        microbatches=MICROBATCHES,
+        make_input=lambda: torch.randn(2, 32),
+        before_microbatch=lambda last: set_flags(
+            model, point["mode"], point["rab"], point.get("rso", False), last
+        ),
+        expected=expected,
+        # cases.md §2.9: odd iterations set gradients to None.
+        set_to_none=lambda iteration: iteration % 2 == 1,
+    )
 
 
 def run_fsdp_accumulation(rank_ctx, impl, point: dict) -> None:

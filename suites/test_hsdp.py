@@ -11,17 +11,16 @@ grid so that HSDP is checked without CPU offload too.
 from __future__ import annotations
 
 import copy
-from collections import Counter
 
 import pytest
 import torch
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 
-from harness.parity import assert_losses_equal, assert_sharded_parity, average_gradients
+from harness.parity import assert_sharded_parity
 from suites.cases import conformance, grid
 from suites.models import MLP
-from suites.training import Expected, adam, checkpoint_in_place, counting, zero_grad
+from suites.training import Expected, accumulate_with_parity, adam, checkpoint_in_place
 
 ITERATIONS, MICROBATCHES = 5, 3
 GROUPS = 4  # the LayerNorm and three MLPs; the root owns no parameters
@@ -77,28 +76,19 @@ def test_train_parity_hsdp(rank_ctx, impl, point):
     assert_sharded_parity(reference, model, check_grads=False)
     expected = expected_counts(raf, point["sync_last"])
 
+    def before_microbatch(last: bool) -> None:
+        if point["sync_last"]:
+            model.set_requires_gradient_sync(last)
+
     torch.manual_seed(42 + rank_ctx.rank + 1)
-    for iteration in range(ITERATIONS):
-        counts: Counter[str] = Counter()
-        for microbatch in range(MICROBATCHES):
-            last = microbatch == MICROBATCHES - 1
-            if point["sync_last"]:
-                model.set_requires_gradient_sync(last)
-            inp = torch.randn(8, dim)
-            with counting() as trace:
-                loss = model(inp).sum()
-                loss.backward()
-            counts.update(trace.counts("kind"))
-            ref_loss = reference(inp).sum()
-            ref_loss.backward()
-            assert_losses_equal(iteration * MICROBATCHES + microbatch, loss, ref_loss)
-        actual = {kind: n for kind, n in counts.items() if n}
-        assert actual == expected.as_counts(), (
-            f"iteration {iteration}: collectives {actual}, expected {expected.as_counts()}"
-        )
-        average_gradients(reference)
-        assert_sharded_parity(reference, model)
-        for opt in (optimizer, ref_optimizer):
-            opt.step()
-            zero_grad(opt, iteration)
-        assert_sharded_parity(reference, model, check_grads=False)
+    accumulate_with_parity(
+        model,
+        reference,
+        (optimizer, ref_optimizer),
+        iterations=ITERATIONS,
+        microbatches=MICROBATCHES,
+        make_input=lambda: torch.randn(8, dim),
+        before_microbatch=before_microbatch,
+        expected=expected,
+        set_to_none=lambda iteration: iteration % 2 == 0,  # as suites.training.zero_grad
+    )

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -17,7 +18,12 @@ from torch.distributed.tensor import DTensor
 
 from harness.comm import CommTracer, RawCall, busy_wait
 from harness.comm.intercept import Interceptor, Proceed
-from harness.parity import ReferenceModel, assert_losses_equal, assert_sharded_parity
+from harness.parity import (
+    ReferenceModel,
+    assert_losses_equal,
+    assert_sharded_parity,
+    average_gradients,
+)
 from suites.models import ModelArgs, Transformer, TransformerBlock
 
 STEPS = 10
@@ -86,6 +92,49 @@ def assert_counts(trace: CommTracer, expected: Expected, context: str) -> None:
     assert actual == expected.as_counts(), (
         f"{context}: collectives {actual}, expected {expected.as_counts()}"
     )
+
+
+def accumulate_with_parity(
+    model: nn.Module,
+    reference: nn.Module,
+    optimizers: tuple[torch.optim.Optimizer, torch.optim.Optimizer],
+    *,
+    iterations: int,
+    microbatches: int,
+    make_input: Callable[[], torch.Tensor],
+    before_microbatch: Callable[[bool], None],
+    expected: Expected,
+    set_to_none: Callable[[int], bool],
+) -> None:
+    """Microbatched accumulation against a plain ``reference``, checked every iteration.
+
+    ``before_microbatch(last)`` sets the implementation's flags. Losses must match per
+    microbatch; the collectives summed over an iteration's microbatches must equal
+    ``expected``; the reference's accumulated gradients, averaged over ranks, must match the
+    sharded ones before the step, and the parameters after it.
+    """
+    for iteration in range(iterations):
+        counts: Counter[str] = Counter()
+        for microbatch in range(microbatches):
+            before_microbatch(microbatch == microbatches - 1)
+            inp = make_input()
+            with counting() as trace:
+                loss = model(inp).sum()
+                loss.backward()
+            counts.update(trace.counts("kind"))
+            ref_loss = reference(inp).sum()
+            ref_loss.backward()
+            assert_losses_equal(iteration * microbatches + microbatch, loss, ref_loss)
+        actual = {kind: n for kind, n in counts.items() if n}
+        assert actual == expected.as_counts(), (
+            f"iteration {iteration}: collectives {actual}, expected {expected.as_counts()}"
+        )
+        average_gradients(reference)
+        assert_sharded_parity(reference, model)
+        for optimizer in optimizers:
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=set_to_none(iteration))
+        assert_sharded_parity(reference, model, check_grads=False)
 
 
 # --- training with parity -----------------------------------------------------------------------
