@@ -25,11 +25,14 @@ from harness.memory import parse_size
 from harness.rank_context import RankContextPlaceholder
 
 WORLD_SIZE_PARAM = "dist_world_size"
+_SLOW_MARKER = "slow: a long test (world_size(..., slow=...) marks its slow sizes with it)"
 SETTINGS_KEY = pytest.StashKey[DistSettings]()
 
 _MARKERS = (
-    "world_size(*sizes): run the test body on every rank, once per world size "
-    "(ids ws2, ws4, ...); filter with --world-sizes",
+    "world_size(*sizes, slow=()): run the test body on every rank, once per world size "
+    "(ids ws2, ws4, ...); filter with --world-sizes. The sizes listed in slow= (each one "
+    "of *sizes) are marked slow, e.g. world_size(2, 4, slow=(4,)): ws2 runs by default, "
+    "ws4 with -m slow",
     "deadline(seconds): the parent's per-test deadline for a distributed test "
     "(default --dist-deadline, ini dist_deadline, 300 s)",
     "fresh_pool: run this distributed test on a pool of its own, discarded afterwards "
@@ -144,6 +147,10 @@ def pytest_addhooks(pluginmanager: pytest.PytestPluginManager) -> None:
 def pytest_configure(config: pytest.Config) -> None:
     for line in _MARKERS:
         config.addinivalue_line("markers", line)
+    if not any(line.split(":")[0].strip() == "slow" for line in config.getini("markers")):
+        # world_size(..., slow=...) adds this mark; a project with --strict-markers that
+        # never declared it must not fail on our account.
+        config.addinivalue_line("markers", _SLOW_MARKER)
     from harness.conformance import backend_plugins
     from harness.conformance import plugin as conformance_plugin
 
@@ -225,18 +232,49 @@ def world_sizes_of(marker: pytest.Mark) -> list[int]:
     return [check_world_size(size) for size in sizes]
 
 
+def slow_world_sizes_of(marker: pytest.Mark, sizes: list[int]) -> frozenset[int]:
+    """The sizes of ``world_size(*sizes, slow=...)`` that only run with ``-m slow``."""
+    unknown = sorted(set(marker.kwargs) - {"slow"})
+    if unknown:
+        raise ConfigError(
+            f"@pytest.mark.world_size takes only the keyword slow=, got {', '.join(unknown)}"
+        )
+    slow = marker.kwargs.get("slow", ())
+    slow = [slow] if isinstance(slow, int) else list(slow)
+    slow = [check_world_size(size) for size in slow]
+    missing = [size for size in slow if size not in sizes]
+    if missing:
+        listed = ", ".join(str(size) for size in sizes)
+        wanted = ", ".join(str(size) for size in sorted(set(sizes) | set(missing)))
+        raise ConfigError(
+            f"@pytest.mark.world_size({listed}, slow=...): slow world size "
+            f"{', '.join(str(size) for size in missing)} is not one of the test's world sizes; "
+            f"list it among them too, e.g. @pytest.mark.world_size({wanted}, "
+            f"slow=({', '.join(str(size) for size in slow)},))"
+        )
+    return frozenset(slow)
+
+
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     marker = metafunc.definition.get_closest_marker("world_size")
     if marker is None:
         return
     try:
         sizes = world_sizes_of(marker)
+        slow = slow_world_sizes_of(marker, sizes)
     except ConfigError as exc:
         raise pytest.UsageError(f"{metafunc.definition.nodeid}: {exc}") from None
     if WORLD_SIZE_PARAM not in metafunc.fixturenames:
         # The world size is a parameter of every marked test, requested or not.
         metafunc.fixturenames.append(WORLD_SIZE_PARAM)
-    metafunc.parametrize(WORLD_SIZE_PARAM, sizes, ids=[f"ws{size}" for size in sizes])
+    # The mark rides on the parameter so it exists before `-m` deselects anything.
+    metafunc.parametrize(
+        WORLD_SIZE_PARAM,
+        [
+            pytest.param(size, id=f"ws{size}", marks=pytest.mark.slow if size in slow else ())
+            for size in sizes
+        ],
+    )
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -1,0 +1,105 @@
+"""``@pytest.mark.world_size(*sizes, slow=...)``: the slow sizes run only with ``-m slow``."""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+
+MARKED_MODULE = textwrap.dedent(
+    """
+    import pytest
+
+    @pytest.mark.world_size(2, 4, slow=(4,))
+    def test_twin(rank_ctx):
+        pass
+
+    @pytest.mark.world_size(1, 2, 4, slow=4)
+    @pytest.mark.parametrize("raf", [True, False])
+    def test_grid(rank_ctx, raf):
+        pass
+
+    @pytest.mark.world_size(2)
+    def test_plain(rank_ctx):
+        pass
+
+    @pytest.mark.world_size(4, slow=[4])
+    def test_only_slow(rank_ctx):
+        pass
+    """
+)
+
+# Prints every item's marks before `-m` deselects anything, so one collection shows both
+# what the plugin marked and what the default `-m "not slow"` keeps.
+MARK_PRINTER = textwrap.dedent(
+    """
+    import pytest
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_collection_modifyitems(items):
+        for item in items:
+            marks = sorted({mark.name for mark in item.iter_markers()} - {"parametrize"})
+            print(f"MARKS {item.name} {','.join(marks)}")
+    """
+)
+
+
+def run_inner(pytester: pytest.Pytester, *args: str) -> pytest.RunResult:
+    return pytester.runpytest_subprocess("-p", "no:cacheprovider", *args)
+
+
+def test_slow_sizes_are_marked_slow_and_deselected_by_default(pytester):
+    pytester.makepyfile(test_sizes=MARKED_MODULE)
+    pytester.makeconftest(MARK_PRINTER)
+    # --strict-markers in a project that never declared `slow`: the plugin declares it.
+    result = run_inner(pytester, "--strict-markers", "-m", "not slow", "--collect-only", "-q")
+    assert result.ret == pytest.ExitCode.OK, result.stdout.str() + result.stderr.str()
+    marks = dict(line.split()[1:] for line in result.outlines if line.startswith("MARKS "))
+    assert marks == {
+        "test_twin[ws2]": "world_size",
+        "test_twin[ws4]": "slow,world_size",
+        "test_grid[ws1-True]": "world_size",
+        "test_grid[ws1-False]": "world_size",
+        "test_grid[ws2-True]": "world_size",
+        "test_grid[ws2-False]": "world_size",
+        "test_grid[ws4-True]": "slow,world_size",
+        "test_grid[ws4-False]": "slow,world_size",
+        "test_plain[ws2]": "world_size",
+        "test_only_slow[ws4]": "slow,world_size",
+    }
+    selected = {
+        line.split("::")[1] for line in result.outlines if line.startswith("test_sizes.py::")
+    }
+    assert selected == {name for name, mark in marks.items() if "slow" not in mark}
+    result.stdout.fnmatch_lines(["6/10 tests collected (4 deselected)*"])
+
+
+def test_slow_size_outside_the_sizes_or_an_unknown_keyword_is_refused(pytester):
+    pytester.makepyfile(
+        test_missing="""
+        import pytest
+
+        @pytest.mark.world_size(2, slow=(4,))
+        def test_twin(rank_ctx):
+            pass
+        """,
+        test_keyword="""
+        import pytest
+
+        @pytest.mark.world_size(2, 4, slwo=(4,))
+        def test_typo(rank_ctx):
+            pass
+        """,
+    )
+    result = run_inner(pytester, "--collect-only", "-q")
+    assert result.ret == pytest.ExitCode.INTERRUPTED
+    output = result.stdout.str()
+    assert (
+        "test_missing.py::test_twin: @pytest.mark.world_size(2, slow=...): slow world size 4 is "
+        "not one of the test's world sizes; list it among them too, e.g. "
+        "@pytest.mark.world_size(2, 4, slow=(4,))"
+    ) in output
+    assert (
+        "test_keyword.py::test_typo: @pytest.mark.world_size takes only the keyword slow=, "
+        "got slwo"
+    ) in output
