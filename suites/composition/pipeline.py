@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
 from torch.distributed.pipelining import (
     PipelineStage,
     Schedule1F1B,
@@ -27,6 +28,7 @@ from torch.distributed.pipelining import (
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from harness.parity import compare_tensors
+from impl.api import Implementation
 
 SCHEDULES: dict[str, type] = {
     "GPipe": ScheduleGPipe,
@@ -159,6 +161,103 @@ class Pipeline:
         return [item for chunk in self.chunks for item in chunk.named_parameters()]
 
 
+class DataParallelStage(PipelineStage):
+    """A pipeline stage whose data parallelism is driven through the FSDP2 controls, whoever
+    implements them.
+
+    Why this exists: ``torch.distributed.pipelining`` knows only torch's own ``FSDPModule``
+    (and DDP). Its ``isinstance`` checks decide whether a stage accumulates gradients without
+    communicating and without resharding on every microbatch but the last, and whether the
+    reduction runs once at the end (``perform_reduce_grad``, through torch's private FSDP state).
+    Any other implementation's stage is a plain module to the engine, so each microbatch's
+    backward reduces and reshards by itself. For a full backward that is only wasteful (the
+    sum of averages is the average of sums). For the split backward of the zero-bubble
+    schedules it is wrong: the input pass ends with a backward flush that reshards, which
+    registers the sharded parameters, and the later weight pass then maps parameters that the
+    forward graph never used (``KeyError: <AccumulateGrad ...>`` in ``stage_backward_weight``).
+
+    So, for the outermost managed modules of the stage, before each backward pass:
+
+    * an input pass (any microbatch), every pass of the microbatches before the last, and the
+      last weight pass: no gradient sync, no reshard after backward, not the last backward.
+      The parameters stay unsharded, and registered, from a microbatch's input pass to its
+      weight pass; gradients accumulate unreduced;
+    * the last microbatch's full backward: sync, reshard, last backward, so the
+      implementation's own end of backward reduces what accumulated, once per step, and
+      reshards.
+
+    The weight pass writes each ``.grad`` itself after its ``autograd.grad`` call, bypassing
+    the parameters' gradient accumulators, so no hook of any implementation sees the last
+    weight pass's gradients (an end-of-backward flush inside it would reduce a step short of
+    them). After the last weight pass, gradient sync goes back on and a zero gradient goes
+    through every parameter's accumulator: an implementation that reduces on its accumulators'
+    hooks (this project's reference, like DDP) reduces then, once. One whose post-backward hangs
+    on module hooks only would not: its gradients stay unreduced and the gradient check says so.
+
+    ``perform_reduce_grad`` (the engine calls it once per stage after its last backward)
+    leaves the flags at their defaults and reshards whatever is still unsharded.
+
+    Torch's own ``FSDPModule`` is left to the engine, which already drives it: driving it here
+    too would flip its flags behind the engine's back. Only public methods are used (FSDP2's
+    ``set_requires_gradient_sync``, ``set_reshard_after_backward``, ``set_is_last_backward``,
+    ``reshard``; ``torch.autograd.backward``). Resharding after forward is not touched: with
+    it on, a forward of another microbatch between an input pass and its weight pass would
+    reshard the group, so the split schedules need ``reshard_after_forward=False`` (what the
+    suite uses).
+    """
+
+    def __init__(
+        self,
+        submodule: nn.Module,
+        stage_index: int,
+        num_stages: int,
+        device: torch.device,
+        *,
+        group: dist.ProcessGroup,
+        data_parallel_modules: Sequence[nn.Module],
+    ) -> None:
+        super().__init__(submodule, stage_index, num_stages, device, group=group)
+        self.data_parallel_modules = list(data_parallel_modules)
+
+    def backward_maybe_with_nosync(
+        self, backward_type: str, bwd_kwargs: dict, last_backward: bool = False
+    ):
+        self._set_gradient_sync(last_backward and backward_type == "full")
+        result = super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
+        if last_backward and backward_type == "weight":
+            self._reduce_through_accumulators()
+        return result
+
+    def perform_reduce_grad(self, grad_scale_factor: int) -> None:
+        self._set_gradient_sync(True)
+        for module in self.data_parallel_modules:
+            module.reshard()
+        super().perform_reduce_grad(grad_scale_factor)
+
+    def _set_gradient_sync(self, enabled: bool) -> None:
+        for module in self.data_parallel_modules:
+            module.set_requires_gradient_sync(enabled)
+            module.set_reshard_after_backward(enabled)
+            module.set_is_last_backward(enabled)
+
+    def _reduce_through_accumulators(self) -> None:
+        self._set_gradient_sync(True)
+        params = [p for p in self.submod.parameters() if p.requires_grad]
+        # Adding zeros changes no gradient; it only runs the accumulators (and their hooks).
+        torch.autograd.backward(params, grad_tensors=[torch.zeros_like(p) for p in params])
+
+
+def data_parallel_modules(module: nn.Module, impl: Implementation) -> list[nn.Module]:
+    """The outermost modules under ``module`` that ``impl`` manages and the pipelining engine
+    does not drive itself (anything but torch's ``FSDPModule``); the FSDP2 controls recurse
+    from them."""
+    if isinstance(module, TorchFSDPModule):
+        return []
+    if impl.is_managed(module):
+        return [module]
+    return [found for child in module.children() for found in data_parallel_modules(child, impl)]
+
+
 def build_pipeline(
     layers: nn.ModuleDict,
     layout: PipelineLayout,
@@ -168,18 +267,34 @@ def build_pipeline(
     device: torch.device,
     n_microbatches: int,
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = squared_error,
+    impl: Implementation | None = None,
 ) -> Pipeline:
     """Cut ``layers`` into this rank's stages, apply ``distribute`` to each, and schedule them
-    with ``scale_grads=False`` (gradients are the sum over microbatches)."""
+    with ``scale_grads=False`` (gradients are the sum over microbatches).
+
+    With ``impl``, stages whose modules it manages are ``DataParallelStage``s (accumulate
+    without communication, reduce once per step); without, plain ``PipelineStage``s, which
+    the engine drives only for torch's ``FSDPModule``.
+    """
     chunks: list[LayerChunk] = []
     stages: list[PipelineStage] = []
     for stage_index in layout.stage_indices():
         chunk = LayerChunk(layers, layout.layer_indices(stage_index)).to(device)
         distribute(chunk)
         chunks.append(chunk)
-        stages.append(
-            PipelineStage(chunk, stage_index, layout.num_stages, device, group=pp_group)
-        )
+        driven = data_parallel_modules(chunk, impl) if impl is not None else []
+        if driven:
+            stage: PipelineStage = DataParallelStage(
+                chunk,
+                stage_index,
+                layout.num_stages,
+                device,
+                group=pp_group,
+                data_parallel_modules=driven,
+            )
+        else:
+            stage = PipelineStage(chunk, stage_index, layout.num_stages, device, group=pp_group)
+        stages.append(stage)
     schedule_class = SCHEDULES[layout.schedule]
     stage_arg = stages[0] if layout.schedule in SINGLE_STAGE_SCHEDULES else stages
     schedule = schedule_class(

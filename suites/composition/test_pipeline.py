@@ -38,6 +38,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from harness.comm import CommTracer
 from harness.parity import assert_tensors_close
 from suites.composition.pipeline import (
     SCHEDULES,
@@ -148,6 +149,7 @@ def test_pipeline_parity(rank_ctx, impl, schedule, data_parallel, dtype_name):
         pp_group=mesh["pp"].get_group(),
         device=rank_ctx.device,
         n_microbatches=N_MICROBATCHES,
+        impl=impl,
     )
     optimizers = [adamw(chunk.parameters()) for chunk in pipeline.chunks]
     executed = ExecutedOrder()
@@ -180,6 +182,70 @@ def test_pipeline_parity(rank_ctx, impl, schedule, data_parallel, dtype_name):
             check_executed_order(schedule, layout, executed)
 
         for optimizer in [*optimizers, reference_optimizer]:
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+
+def reduction_grid() -> list:
+    grid = []
+    for schedule in ("1F1B", "InterleavedZeroBubble"):
+        for data_parallel in ("fully_shard", "replicate"):
+            marks = [requires("replicate")] if data_parallel == "replicate" else []
+            grid.append(
+                pytest.param(schedule, data_parallel, marks=marks, id=f"{schedule}-{data_parallel}")
+            )
+    return grid
+
+
+@pytest.mark.world_size(4)
+@requires("pp")
+# Zero-bubble (the split backward) in the default run; 1F1B and replicate are slow.
+@default_run("ws4-InterleavedZeroBubble-fully_shard")
+@pytest.mark.parametrize(("schedule", "data_parallel"), reduction_grid())
+def test_pipeline_reduces_once_per_step(rank_ctx, impl, schedule, data_parallel):
+    """Under a schedule, each parameter group's gradients are reduced once per step, not once
+    per microbatch, and every group is resharded when the step ends.
+
+    The gradients alone cannot show this (a sum of per-microbatch averages equals the average
+    of the sum). The engine drives torch's ``FSDPModule`` this way itself; any other
+    implementation is driven by ``suites.composition.pipeline.DataParallelStage``.
+    """
+    dp_size = rank_ctx.world_size // PP_SIZE
+    mesh = rank_ctx.mesh((dp_size, PP_SIZE), ("dp", "pp"))
+    layout = PipelineLayout(schedule, mesh["pp"].get_local_rank(), PP_SIZE, N_LAYERS)
+    torch.manual_seed(42)
+    pipeline = build_pipeline(
+        layer_stack(lambda: MLPModule(DIM), N_LAYERS),
+        layout,
+        distribute=data_parallel_per_layer(impl, data_parallel, mesh["dp"], None),
+        pp_group=mesh["pp"].get_group(),
+        device=rank_ctx.device,
+        n_microbatches=N_MICROBATCHES,
+        impl=impl,
+    )
+    # Every layer is a group with parameters; the stage roots own none and reduce nothing.
+    groups = sum(len(chunk.layers) for chunk in pipeline.chunks)
+    reduction = "reduce_scatter" if data_parallel == "fully_shard" else "all_reduce"
+    managed = [m for chunk in pipeline.chunks for m in chunk.modules() if impl.is_managed(m)]
+    optimizers = [adamw(chunk.parameters()) for chunk in pipeline.chunks]
+
+    for step in range(STEPS):
+        inputs, labels = replica_batches(
+            step, dp_size, N_MICROBATCHES * MICROBATCH_ROWS, DIM, torch.float32
+        )[mesh["dp"].get_local_rank()]
+        with CommTracer(mesh=mesh, functional=False) as trace:
+            pipeline.step(inputs.to(rank_ctx.device), labels.to(rank_ctx.device))
+        reductions = {
+            kind: trace.count(kind, group="dp") for kind in ("reduce_scatter", "all_reduce")
+        }
+        expected = {"reduce_scatter": 0, "all_reduce": 0, reduction: groups}
+        assert reductions == expected, (
+            f"step {step}: gradient reductions over dp {reductions}, expected {expected} (one "
+            f"per group with parameters; {N_MICROBATCHES} microbatches)"
+        )
+        unsharded = [type(m).__name__ for m in managed if impl.is_group_unsharded(m)]
+        assert not unsharded, f"step {step}: still unsharded after the step: {unsharded}"
+        for optimizer in optimizers:
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
 
@@ -238,6 +304,7 @@ def test_3d_tp_dp_pp(rank_ctx, impl, schedule, dtype_name):
         device=rank_ctx.device,
         n_microbatches=N_MICROBATCHES,
         loss_fn=lambda output, _target: output.sum(),
+        impl=impl,
     )
     optimizers = [adamw(chunk.parameters()) for chunk in pipeline.chunks]
     for step in range(STEPS):
