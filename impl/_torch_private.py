@@ -132,3 +132,31 @@ def dtensor_factory(
         return DTensor(local, spec, requires_grad=local.requires_grad)
 
     return wrap
+
+
+# --- tensor parallel composition (reference implementation) --------------------------------------
+
+
+def concatenate_meshes(meshes: list[Any]) -> Any:
+    """One ``DeviceMesh`` whose dims are the dims of ``meshes`` in order, e.g. ``(dp, tp)``.
+
+    Parameters that are already DTensors on a TP mesh get the data-parallel dims in front;
+    their sharded form lives on the mesh of both. When the user built the two meshes by slicing
+    one root mesh, that mesh exists as a slice of the root only if its dims are adjacent and
+    in order; ``DeviceMesh._concatenate`` (private in 2.13) builds it from the slices' layouts
+    and reuses their process groups, without a collective.
+    """
+    require_audited_torch("concatenate_meshes")
+    from torch.distributed.device_mesh import DeviceMesh
+
+    return DeviceMesh._concatenate(list(meshes))
+
+
+def strided_shard(dim: int, split_factor: int) -> Any:
+    """``_StridedShard(dim, split_factor)``: the placement of a data-parallel shard of rows that
+    tensor parallelism has already split ``split_factor`` ways (the rows of a shard are
+    strided over the full tensor). Private in 2.13; DTensor needs it for ``full_tensor()``."""
+    require_audited_torch("strided_shard")
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    return _StridedShard(dim, split_factor=split_factor)

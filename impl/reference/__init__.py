@@ -48,9 +48,11 @@ class ReferenceImplementation(Implementation):
             "cpu_offload",
             "activation_checkpointing",
             "ignored_params",
-            # Composition (suites/composition): DCP passes; pp fails InterleavedZeroBubble and
-            # tp is not implemented yet, so neither is declared.
+            # Composition (suites/composition): DCP and TP (DTensor parameters get the
+            # data-parallel dims in front) pass; pp fails InterleavedZeroBubble, so it is not
+            # declared.
             "dcp",
+            "tp",
         }
     )
     MixedPrecisionPolicy = MixedPrecisionPolicy

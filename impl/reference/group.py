@@ -50,7 +50,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Placement, Replicate
 
 from impl.reference import collectives, policies
-from impl.reference.param import ManagedParam
+from impl.reference.param import ManagedParam, local_data
 from impl.reference.policies import MixedPrecisionPolicy, OffloadPolicy
 
 
@@ -157,7 +157,7 @@ class ParamGroup:
         self.flat_numel = offset
         self.sharded_flat = self._new_sharded_flat(params[0].dtype)
         for p, original in zip(params, originals, strict=True):
-            p.init_sharded(original.detach().to(self.sharded_device), self.sharded_flat)
+            p.init_sharded(local_data(original).to(self.sharded_device), self.sharded_flat)
 
         # reshard_after_forward=k: the (S/k, k) mesh whose dim 1 is this rank's group of k.
         self.post_forward_mesh = post_forward_mesh

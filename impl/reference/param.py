@@ -13,6 +13,14 @@ A managed parameter lives in two forms that are swapped in and out of its module
   once and reused for every unshard, so autograd's saved tensors and the gradients accumulated
   on it across microbatches survive a reshard/unshard cycle.
 
+Tensor parallelism. A parameter that is already a ``DTensor`` on a model-parallel mesh (TP)
+is managed through its *local* tensor: the group shards, all-gathers and reduces the TP-local
+rows exactly like a plain parameter. Its unsharded form is again a ``DTensor`` on the TP mesh
+with the TP placements (what the TP-parallelised module expects), and its sharded form lives on
+the data-parallel dims followed by the TP dims, e.g. ``(dp, tp)`` with placements
+``(Shard(0), Shard(0))``; when both split the same dim the data-parallel one is a strided
+shard, since its rows are a slice of a TP shard rather than of the full tensor.
+
 The unsharded form is built with ``Tensor.set_`` onto the buffer's storage rather than as a
 view of the buffer: a view would share the buffer's version counter, and refilling the buffer
 in backward would then look to autograd like an in-place change of a saved tensor.
@@ -30,6 +38,64 @@ from torch.distributed.tensor import DTensor, Placement, Shard
 
 from impl import _torch_private
 from impl.reference.sharding import ShardLayout
+
+_DTensorFactory = tuple[torch.dtype, Callable[[torch.Tensor], DTensor]]
+
+
+@dataclass(frozen=True)
+class ModelParallelSpec:
+    """How a parameter that arrives as a ``DTensor`` (tensor parallelism) is laid out."""
+
+    mesh: DeviceMesh
+    placements: tuple[Placement, ...]
+    shape: torch.Size
+    stride: tuple[int, ...]
+
+    @classmethod
+    def of(cls, param: torch.Tensor) -> ModelParallelSpec | None:
+        if not isinstance(param, DTensor):
+            return None
+        return cls(param.device_mesh, tuple(param.placements), param.shape, param.stride())
+
+    def splits_of(self, dim: int) -> int:
+        """Into how many pieces the model-parallel dims cut tensor dim ``dim``."""
+        pieces = 1
+        for mesh_dim, placement in enumerate(self.placements):
+            if placement.is_shard(dim):
+                pieces *= self.mesh.size(mesh_dim)
+        return pieces
+
+
+def sharded_layout(
+    dp_mesh: DeviceMesh, dp_placements: tuple[Placement, ...], param: torch.Tensor
+) -> tuple[DeviceMesh, tuple[Placement, ...]]:
+    """The mesh and placements of ``param``'s sharded form: the data-parallel ones, followed
+    by the model-parallel ones when ``param`` is a TP ``DTensor``."""
+    spec = ModelParallelSpec.of(param)
+    if spec is None:
+        return dp_mesh, dp_placements
+    if dp_mesh.mesh_dim_names is None or spec.mesh.mesh_dim_names is None:
+        raise ValueError(
+            "a DTensor parameter composes with the data-parallel mesh only when both meshes "
+            "have dim names: slice both from one init_device_mesh(..., mesh_dim_names=...)"
+        )
+    try:
+        mesh = _torch_private.concatenate_meshes([dp_mesh, spec.mesh])
+    except RuntimeError as error:
+        raise ValueError(
+            f"the data-parallel mesh {dp_mesh.mesh_dim_names} and the parameter's mesh "
+            f"{spec.mesh.mesh_dim_names} must be disjoint slices of one root mesh: {error}"
+        ) from error
+    dp_shard = dp_placements[-1]
+    if isinstance(dp_shard, Shard) and spec.splits_of(dp_shard.dim) > 1:
+        dp_shard = _torch_private.strided_shard(dp_shard.dim, spec.splits_of(dp_shard.dim))
+    return mesh, (*dp_placements[:-1], dp_shard, *spec.placements)
+
+
+def local_data(param: torch.Tensor) -> torch.Tensor:
+    """What the data-parallel group shards: the tensor itself, or a ``DTensor``'s local part."""
+    with torch.no_grad():
+        return param.to_local() if isinstance(param, DTensor) else param.detach()
 
 
 @dataclass(frozen=True)
@@ -55,9 +121,13 @@ def alias_storage(storage_owner: torch.Tensor, offset: int, shape: torch.Size) -
 class ManagedParam:
     """A parameter of a group: its placements, its sharded storage and its registration.
 
-    ``placements`` has one entry per mesh dim; the last one says how the parameter is split
-    over the shard dim (``Shard(d)``) or that it is not split at all (``Replicate()``).
-    ``shard_size`` and ``shard_rank`` are the size of that dim and this rank's index in it.
+    ``dp_placements`` has one entry per data-parallel mesh dim; the last one says how the
+    parameter is split over the shard dim (``Shard(d)``) or that it is not split at all
+    (``Replicate()``). ``shard_size`` and ``shard_rank`` are the size of that dim and this rank's
+    index in it. ``mesh`` and ``placements`` are those of the sharded ``DTensor``: the
+    data-parallel ones, followed by the model-parallel ones for a TP parameter. ``shape`` is
+    the shape of what is sharded (for a TP ``DTensor``: its local tensor), ``global_shape`` the
+    parameter's shape.
     """
 
     def __init__(
@@ -65,22 +135,27 @@ class ManagedParam:
         fqn: str,
         original: nn.Parameter,
         locations: list[ParamLocation],
-        mesh: DeviceMesh,
-        placements: tuple[Placement, ...],
+        dp_mesh: DeviceMesh,
+        dp_placements: tuple[Placement, ...],
         shard_size: int,
         shard_rank: int,
     ) -> None:
         self.fqn = fqn
         self.locations = locations
-        self.mesh = mesh
-        self.placements = placements
-        self.shape = original.shape
+        # How the data-parallel shard dim splits the parameter: Shard(d) or Replicate().
+        self.placement = dp_placements[-1]
+        self.model_parallel = ModelParallelSpec.of(original)
+        self.mesh, self.placements = sharded_layout(dp_mesh, dp_placements, original)
+        self.shape = local_data(original).shape
         self.dtype = original.dtype
         self.requires_grad = original.requires_grad
+        self.global_shape = original.shape
         # Computed once: every sharded gradient (one per step) needs the global stride.
-        self.global_stride = torch.empty(self.shape, device="meta").stride()
-        self._grad_factory: tuple[torch.dtype, Callable[[torch.Tensor], DTensor]] | None = None
-        placement = placements[-1]
+        self.global_stride = torch.empty(self.global_shape, device="meta").stride()
+        # DTensor constructors by dtype, built once (see _torch_private.dtensor_factory).
+        self._grad_factory: _DTensorFactory | None = None
+        self._unsharded_factory: _DTensorFactory | None = None
+        placement = self.placement
         if isinstance(placement, Shard):
             self.layout: ShardLayout | None = ShardLayout(
                 tuple(self.shape), placement.dim, shard_size, shard_rank
@@ -88,7 +163,7 @@ class ManagedParam:
             self.flat_numel = self.layout.padded_local_numel
         else:
             self.layout = None
-            self.flat_numel = original.numel()
+            self.flat_numel = self.shape.numel()
         # Set by ParamGroup once the flat buffers exist.
         self.flat_offset = 0
         self.sharded_param: nn.Parameter
@@ -96,11 +171,6 @@ class ManagedParam:
         # Unsharded gradients kept in the reduce dtype while gradient sync is off (FSDP2
         # accumulates in reduce_dtype when it differs from the compute dtype).
         self.accumulated_grad: torch.Tensor | None = None
-
-    @property
-    def placement(self) -> Placement:
-        """The placement over the shard dim (the last mesh dim)."""
-        return self.placements[-1]
 
     @property
     def is_dim0_sharded(self) -> bool:
@@ -151,7 +221,7 @@ class ManagedParam:
             self.mesh,
             self.placements,
             run_check=False,
-            shape=self.shape,
+            shape=self.global_shape,
             stride=self.global_stride,
         )
 
@@ -160,7 +230,7 @@ class ManagedParam:
         ``from_local``'s autograd node (one per parameter per step: its cost shows)."""
         if self._grad_factory is None or self._grad_factory[0] != local_grad.dtype:
             factory = _torch_private.dtensor_factory(
-                self.mesh, self.placements, self.shape, self.global_stride, local_grad.dtype
+                self.mesh, self.placements, self.global_shape, self.global_stride, local_grad.dtype
             )
             self._grad_factory = (local_grad.dtype, factory)
         return self._grad_factory[1](local_grad)
@@ -180,10 +250,33 @@ class ManagedParam:
         """
         previous = self.unsharded_param
         alias = alias_storage(storage_owner, offset, self.shape)
-        self.unsharded_param = nn.Parameter(alias, requires_grad=self.requires_grad)
+        data = alias if self.model_parallel is None else self._as_model_parallel(alias)
+        self.unsharded_param = nn.Parameter(data, requires_grad=self.requires_grad)
         if previous is not None and previous.grad is not None:
             self.unsharded_param.grad = previous.grad.to(alias.dtype)
         return self.unsharded_param
+
+    def _as_model_parallel(self, local: torch.Tensor) -> DTensor:
+        """``local`` as the TP ``DTensor`` the module was parallelised with."""
+        spec = self.model_parallel
+        assert spec is not None
+        if self._unsharded_factory is None or self._unsharded_factory[0] != local.dtype:
+            factory = _torch_private.dtensor_factory(
+                spec.mesh, spec.placements, spec.shape, spec.stride, local.dtype
+            )
+            self._unsharded_factory = (local.dtype, factory)
+        return self._unsharded_factory[1](local)
+
+    def _local_grad(self, grad: torch.Tensor) -> torch.Tensor:
+        """An unsharded gradient as a plain tensor shaped like ``self.shape``: a TP gradient
+        is first brought to the parameter's placements (it may arrive ``Partial``)."""
+        if not isinstance(grad, DTensor):
+            return grad
+        spec = self.model_parallel
+        assert spec is not None
+        if tuple(grad.placements) != spec.placements:
+            grad = grad.redistribute(spec.mesh, spec.placements)
+        return grad.to_local()
 
     # --- registration ------------------------------------------------------------------
 
@@ -210,10 +303,10 @@ class ManagedParam:
             return
         grad = self.unsharded_param.grad
         if self.accumulated_grad is not None:
-            self.accumulated_grad += grad
+            self.accumulated_grad += self._local_grad(grad)
             self.unsharded_param.grad = None
         elif reduce_dtype is not None and grad.dtype != reduce_dtype:
-            self.accumulated_grad = grad.to(reduce_dtype)
+            self.accumulated_grad = self._local_grad(grad).to(reduce_dtype)
             self.unsharded_param.grad = None
 
     def take_unsharded_grad(self) -> torch.Tensor | None:
@@ -222,6 +315,8 @@ class ManagedParam:
             return None
         grad = self.unsharded_param.grad
         self.unsharded_param.grad = None
+        if grad is not None:
+            grad = self._local_grad(grad)
         accumulated, self.accumulated_grad = self.accumulated_grad, None
         if accumulated is None:
             return grad

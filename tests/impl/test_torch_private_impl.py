@@ -30,3 +30,34 @@ def test_checkpoint_wrapper_api_wraps_with_its_prefix_and_keeps_gradients():
     plain(x).sum().backward()
     for (name, p), q in zip(model.named_parameters(), plain.parameters(), strict=True):
         torch.testing.assert_close(p.grad, q.grad, msg=name)
+
+
+@pytest.mark.parametrize(
+    ("accessor", "args"), [("concatenate_meshes", ([],)), ("strided_shard", (0, 2))]
+)
+def test_tensor_parallel_accessors_refuse_an_unaudited_torch(monkeypatch, accessor, args):
+    monkeypatch.setattr(_torch_private, "installed_torch_version", lambda: (9, 99))
+    with pytest.raises(_torch_private.PrivateTorchAccessError, match=accessor):
+        getattr(_torch_private, accessor)(*args)
+
+
+@pytest.mark.world_size(4)
+def test_concatenated_mesh_and_strided_shard_rebuild_the_full_tensor(rank_ctx):
+    """The (dp, tp) mesh rebuilt from its slices reuses their groups, and a strided dp shard of
+    a tp shard of the same dim gathers back to the full tensor (a plain Shard(0) would put the
+    rows in the wrong order)."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    root = rank_ctx.mesh((2, 2), ("dp", "tp"))
+    mesh = _torch_private.concatenate_meshes([root["dp"], root["tp"]])
+    assert mesh.mesh_dim_names == ("dp", "tp")
+    assert mesh.mesh.tolist() == root.mesh.tolist()
+    assert mesh.get_group("dp") is root.get_group("dp")
+    full = torch.arange(8 * 3, dtype=torch.float32).view(8, 3)
+    tp_rows = full.chunk(2)[root.get_local_rank("tp")]
+    local = tp_rows.chunk(2)[root.get_local_rank("dp")]
+    placements = (_torch_private.strided_shard(0, 2), Shard(0))
+    sharded = DTensor.from_local(
+        local, mesh, placements, run_check=False, shape=full.shape, stride=full.stride()
+    )
+    torch.testing.assert_close(sharded.full_tensor(), full)
