@@ -162,14 +162,8 @@ def test_double_forward_with_nested_groups_and_checkpointing(rank_ctx, impl, kin
     assert_sharded_parity(reference, model, rtol=1e-4, atol=1e-3)
 
 
-@pytest.mark.world_size(2)
+@pytest.mark.world_size(2, 4, slow=(4,))
 def test_shared_params_parity(rank_ctx, impl):
-    run_shared_params_parity(rank_ctx.rank, impl, checkpointed=False)
-
-
-@pytest.mark.slow
-@pytest.mark.world_size(4)
-def test_shared_params_parity_ws4(rank_ctx, impl):
     run_shared_params_parity(rank_ctx.rank, impl, checkpointed=False)
 
 

@@ -9,6 +9,9 @@ original dtype, outputs are cast to ``output_dtype``, and floating-point inputs 
 The bf16 reference applies the same casts by hand: each step it runs a ``param_dtype`` copy of
 its fp32 master weights on ``param_dtype`` inputs, casts the gradients to the reduce dtype,
 averages them over ranks and steps the fp32 master with Adam. Comparisons use bf16 tolerances.
+
+A grouped module's policy casting the inputs of every module of the group (cases.md §2.5) is
+``suites/test_partial_forward.py::test_grouped_module_cast_forward_inputs``.
 """
 
 from __future__ import annotations
@@ -78,16 +81,10 @@ MP_CASES = [
 ]
 
 
-@pytest.mark.world_size(2)
+@pytest.mark.world_size(2, 4, slow=(4,))
 @pytest.mark.parametrize("reduce_dtype", MP_CASES)
 def test_bf16_training_parity(rank_ctx, impl, reduce_dtype):
     run_bf16_parity(rank_ctx, impl, reduce_dtype)
-
-
-@slow
-@pytest.mark.world_size(4)
-def test_bf16_training_parity_ws4(rank_ctx, impl):
-    run_bf16_parity(rank_ctx, impl, torch.float32)
 
 
 def run_bf16_parity(rank_ctx, impl, reduce_dtype: torch.dtype | None) -> None:
@@ -204,30 +201,6 @@ def test_cast_forward_inputs(rank_ctx, impl, cast_forward_inputs):
     assert model.input_dtypes == [expected], model.input_dtypes
     assert out.dtype == torch.bfloat16
     assert model.lin.weight.grad.dtype == torch.float32
-
-
-class TwoLinears(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.a = nn.Linear(32, 32, bias=False)
-        self.b = nn.Linear(32, 32, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # b's input is fp32 again: the group's policy must cast it before b runs too.
-        return self.b(self.a(x).float())
-
-
-@pytest.mark.world_size(2)
-def test_grouped_module_casts_inputs_of_every_module(rank_ctx, impl):
-    """cases.md §2.5 test_grouped_module_cast_forward_inputs."""
-    model = TwoLinears()
-    mp = impl.MixedPrecisionPolicy(param_dtype=torch.bfloat16, cast_forward_inputs=True)
-    impl.fully_shard([model.a, model.b], mp_policy=mp)
-    impl.fully_shard(model, mp_policy=mp)
-    out = model(torch.randn(2, 32))
-    assert out.dtype == torch.bfloat16
-    out.sum().backward()
-    assert all(p.grad is not None for p in model.parameters())
 
 
 class Upcast(nn.Module):

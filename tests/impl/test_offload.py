@@ -83,16 +83,10 @@ def run_offload_parity(rank_ctx, impl, mesh_shape: tuple[int, ...], raf: bool) -
     assert set(compute_devices) == {torch.device(device)}, compute_devices
 
 
-@pytest.mark.world_size(2)
-def test_cpu_offload_training_parity(rank_ctx, impl):
-    run_offload_parity(rank_ctx, impl, (rank_ctx.world_size,), raf=True)
-
-
-@slow
-@pytest.mark.world_size(4)
-@pytest.mark.parametrize("raf", [True, False], ids=lambda v: f"raf={v}")
-def test_cpu_offload_training_parity_ws4(rank_ctx, impl, raf):
-    run_offload_parity(rank_ctx, impl, (4,), raf=raf)
+@pytest.mark.world_size(2, 4, slow=(4,))
+@pytest.mark.parametrize("raf", [True, pytest.param(False, marks=slow)], ids=lambda v: f"raf={v}")
+def test_cpu_offload_training_parity(rank_ctx, impl, raf):
+    run_offload_parity(rank_ctx, impl, (rank_ctx.world_size,), raf=raf)
 
 
 @slow

@@ -4,8 +4,9 @@
 * Implicit backward prefetch: with no prefetch lists, entering a group's backward starts the
   all-gather of the group that finished forward just before it (one module ahead). The
   order is asserted on a trace whose marks are the layers' backward pre-hooks.
-* Explicit lists (``set_modules_to_forward_prefetch`` / ``..._backward_prefetch``) keep
-  numerics; their order is asserted in ``tests/comm/test_prefetch_schedule.py``.
+* Explicit lists (``set_modules_to_forward_prefetch`` / ``..._backward_prefetch``): numerics
+  and collective counts are ``suites/test_prefetch.py`` (default run), their order
+  ``tests/comm/test_prefetch_schedule.py``.
 * ``unshard(async_op=True)``: one all-gather, the handle's ``wait()`` leaves the group
   unsharded, and the next forward does not gather it again.
 * ``set_unshard_in_backward(False)``: that group is never all-gathered in backward and still
@@ -103,44 +104,6 @@ backward reduce_scatter world f32[416]
 
 
 @pytest.mark.world_size(2)
-def test_explicit_prefetch_lists_keep_numerics(rank_ctx, impl):
-    run_explicit_prefetch_lists(rank_ctx, impl)
-
-
-@pytest.mark.slow
-@pytest.mark.world_size(4)
-def test_explicit_prefetch_lists_keep_numerics_ws4(rank_ctx, impl):
-    run_explicit_prefetch_lists(rank_ctx, impl)
-
-
-def run_explicit_prefetch_lists(rank_ctx, impl) -> None:
-    require(impl, "prefetch")
-    model, reference = sharded_transformer(impl)
-    layers = list(model.layers)
-    for i, layer in enumerate(layers):
-        layer.set_modules_to_forward_prefetch(layers[i + 1 : i + 3])
-        layer.set_modules_to_backward_prefetch(layers[max(i - 2, 0) : i][::-1])
-    train_and_compare(rank_ctx.rank, model, reference)
-
-
-def train_and_compare(rank: int, model: nn.Module, reference: nn.Module, steps: int = 5) -> None:
-    optimizer, reference_optimizer = adam(model), adam(reference)
-    torch.manual_seed(42 + rank)
-    for step in range(steps):
-        inp = torch.randint(0, 8, (2, 8))
-        losses = [m(inp).sum() for m in (model, reference)]
-        for loss in losses:
-            loss.backward()
-        assert_losses_equal(step, *losses)
-        average_gradients(reference)
-        assert_sharded_parity(reference, model)
-        for opt in (optimizer, reference_optimizer):
-            opt.step()
-            opt.zero_grad(set_to_none=step % 2 == 0)
-    assert_sharded_parity(reference, model, check_grads=False)
-
-
-@pytest.mark.world_size(2)
 def test_async_unshard_handle(rank_ctx, impl):
     require(impl, "async_unshard")
     model, reference = sharded_transformer(impl, n_layers=2)
@@ -188,14 +151,8 @@ def test_async_unshard_every_step_keeps_numerics(rank_ctx, impl):
             opt.zero_grad()
 
 
-@pytest.mark.world_size(2)
+@pytest.mark.world_size(2, 4, slow=(4,))
 def test_unshard_in_backward_false_skips_the_gather(rank_ctx, impl):
-    run_unshard_in_backward_false(rank_ctx, impl)
-
-
-@pytest.mark.slow
-@pytest.mark.world_size(4)
-def test_unshard_in_backward_false_skips_the_gather_ws4(rank_ctx, impl):
     run_unshard_in_backward_false(rank_ctx, impl)
 
 

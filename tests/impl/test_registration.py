@@ -1,7 +1,12 @@
-"""Which form of each parameter is registered when (cases.md §2.2, §2.7, §3.2, §5.1 item 2).
+"""Which form of each parameter is registered when (cases.md §2.2, §3.2, §5.1 item 2).
 
 Every test body runs on every rank; the harness seeds RNG identically on all ranks, so models
 built here start equal everywhere without a broadcast.
+
+Checked by the conformance suites in the default run instead, so not repeated here:
+``modules_to_run_forward`` (``suites/test_registration.py``), contiguous parameters and
+gradients under ``shard_placement_fn`` (``suites/test_shard_placement.py``), and root forward
+inputs (``suites/test_forward_inputs.py``).
 """
 
 from __future__ import annotations
@@ -75,8 +80,10 @@ def test_single_group_registration(rank_ctx, impl, raf):
     assert_same_values(model, reference)
 
 
+# raf=None: suites/test_registration.py::test_param_registration_after_forward
+# [ws4-groups=multi-raf=None].
 @pytest.mark.world_size(4)
-@pytest.mark.parametrize("raf", RESHARD_AFTER_FORWARD, ids=raf_id)
+@pytest.mark.parametrize("raf", [True, False, 2], ids=raf_id)
 def test_multi_group_registration(rank_ctx, impl, raf):
     model = nn.Sequential(MLP(3), MLP(3))
     reference = copy.deepcopy(model)
@@ -89,10 +96,7 @@ def test_multi_group_registration(rank_ctx, impl, raf):
     model(torch.randn(2, 3))
     non_root = [*model[0].in_proj.parameters(), *model[0].out_proj.parameters()]
     root_owned = list(model[1].parameters())
-    if raf is None:
-        assert_all_dtensor(non_root, "after forward, non-root with raf=None")
-        assert_all_plain(root_owned, "after forward, root with raf=None")
-    elif raf is False:
+    if raf is False:
         assert_all_plain(non_root + root_owned, "after forward with raf=False")
     else:
         assert_all_dtensor(non_root + root_owned, f"after forward with raf={raf}")
@@ -125,18 +129,6 @@ def test_registration_after_backward(rank_ctx, impl, raf):
 
 
 @pytest.mark.world_size(2)
-def test_modules_to_run_forward_is_empty_outside_forward(rank_ctx, impl):
-    model = MLP(8)
-    impl.fully_shard(model.in_proj)
-    impl.fully_shard(model.out_proj)
-    impl.fully_shard(model)
-    modules = [model.in_proj, model.out_proj, model]
-    assert all(impl.modules_to_run_forward(m) == set() for m in modules)
-    model(torch.randn(2, 8)).sum().backward()
-    assert all(impl.modules_to_run_forward(m) == set() for m in modules)
-
-
-@pytest.mark.world_size(2)
 def test_explicit_unshard_and_reshard(rank_ctx, impl):
     model = MLP(5)  # hidden 20, dim 5: uneven over 2 ranks
     reference = copy.deepcopy(model)
@@ -153,32 +145,6 @@ def test_explicit_unshard_and_reshard(rank_ctx, impl):
     assert_all_plain(list(model.parameters()), "after unshard(async_op=True).wait()")
     assert_same_values(model, reference)
     model.reshard()
-
-
-@pytest.mark.world_size(4)
-def test_shard_placement_fn_gives_contiguous_params_and_grads(rank_ctx, impl):
-    def shard_dim1_for_matrices(param: nn.Parameter) -> Shard:
-        return Shard(1) if param.ndim > 1 else Shard(0)
-
-    model = MLP(4)
-    reference = copy.deepcopy(model)
-    for module in (model.in_proj, model.out_proj, model):
-        impl.fully_shard(module, shard_placement_fn=shard_dim1_for_matrices)
-
-    def assert_unsharded_contiguous(module: nn.Module, args: object) -> None:
-        for p in module.parameters():
-            assert p.is_contiguous(), f"unsharded {tuple(p.shape)} parameter is not contiguous"
-
-    model.in_proj.register_forward_pre_hook(assert_unsharded_contiguous)
-    model.out_proj.register_forward_pre_hook(assert_unsharded_contiguous)
-    for p in model.parameters():
-        assert p.placements == ((Shard(1),) if p.ndim > 1 else (Shard(0),))
-        assert p.is_contiguous() and p.to_local().is_contiguous()
-    assert_same_values(model, reference)
-    model(torch.randn(2, 4)).sum().backward()
-    for p in model.parameters():
-        assert p.is_contiguous() and p.to_local().is_contiguous()
-        assert p.grad.is_contiguous() and p.grad.to_local().is_contiguous()
 
 
 @pytest.mark.world_size(4)
@@ -202,42 +168,6 @@ def test_replicate_registration(rank_ctx, impl):
     assert_all_dtensor(list(model.parameters()), "replicate, after backward")
     for p in model.parameters():
         assert isinstance(p.grad, DTensor) and p.grad.placements == (Replicate(),)
-
-
-class ParamOnly(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.randn(4, 4))
-
-    def forward(self) -> torch.Tensor:
-        return self.weight @ self.weight
-
-
-class TwoInputs(nn.Module):
-    def __init__(self, device: torch.device) -> None:
-        super().__init__()
-        self.device = device
-        self.lin = nn.Linear(3, 3)
-
-    def forward(self, x: torch.Tensor, ys: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        for t in (x, *ys):
-            assert t.device.type == self.device.type, f"input left on {t.device}"
-        return self.lin(x) + ys[0] + ys[1]
-
-
-@pytest.mark.world_size(2)
-def test_root_forward_inputs(rank_ctx, impl):
-    no_inputs = ParamOnly()
-    impl.fully_shard(no_inputs)
-    out = no_inputs()
-    assert out.shape == (4, 4)
-    out.sum().backward()
-    assert isinstance(no_inputs.weight.grad, DTensor)
-
-    nested = TwoInputs(rank_ctx.device)
-    assert impl.fully_shard(nested) is nested, "fully_shard must return the module"
-    x, ys = torch.randn(3), (torch.randn(3), torch.randn(3))
-    nested(x, ys).sum().backward()
 
 
 @pytest.mark.world_size(4)

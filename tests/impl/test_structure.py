@@ -1,9 +1,16 @@
 """Structural patterns on top of the core (cases.md §5.1 items 5 and 6), checked for parity.
 
-Non-root standalone forward/backward, a module called twice in one forward, two forwards
-before one backward, a partial group forward followed by standalone chunks, recovery after an
-exception, a forward method other than ``forward`` (with ``replicate`` too), a weight tied across
-groups (the error names the modules). Prefetching and async unshard: ``test_prefetch.py``.
+A module called twice in one forward, two forwards before one backward, a partial group
+forward followed by standalone chunks, the head of a partial group kept unsharded across
+chunks (gathered once), a forward method other than ``forward`` with ``replicate``, a weight
+tied across groups (the error names the modules). Prefetching and async unshard:
+``test_prefetch.py``.
+
+What a conformance suite already checks in the default run is not repeated here: non-root
+standalone steps (``suites/test_non_root.py``), ``register_fsdp_forward_method`` with
+``fully_shard`` (``suites/test_forward_method.py``), ``reset_iter_state``, double partial
+forwards and chunked accumulation (``suites/test_partial_forward.py``), and the ``raf=True``
+items of the two parametrized tests below.
 """
 
 from __future__ import annotations
@@ -16,45 +23,11 @@ from torch import nn
 
 from harness.comm import CommTracer
 from harness.parity import assert_losses_equal, assert_sharded_parity, average_gradients
-from suites.models import MLP, ModelArgs, TiedModel, Transformer
+from suites.models import ModelArgs, TiedModel, Transformer
 
 
 def adam(module: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.Adam(module.parameters(), lr=1e-2)
-
-
-@pytest.mark.world_size(2)
-def test_non_root_forward_backward(rank_ctx, impl):
-    model = nn.Sequential(MLP(32), MLP(32), MLP(32))
-    reference = copy.deepcopy(model)
-    for mlp in model:
-        impl.fully_shard(mlp)
-    impl.fully_shard(model)
-    optimizer, reference_optimizer = adam(model), adam(reference)
-    torch.manual_seed(42 + rank_ctx.rank)
-    inp = torch.randn(8, 32)
-
-    for m in (model, reference):
-        loss = m(inp).sum()
-        loss.backward()
-    average_gradients(reference)
-    assert_sharded_parity(reference, model)
-    optimizer.step()
-    reference_optimizer.step()
-    optimizer.zero_grad()
-    reference_optimizer.zero_grad()
-
-    # The first MLP alone, as if it were a root.
-    losses = [m[0](inp).sum() for m in (model, reference)]
-    for loss in losses:
-        loss.backward()
-    assert_losses_equal(1, *losses)
-    average_gradients(reference)
-    assert_sharded_parity(reference, model)
-    assert all(p.grad is None for p in model[1:].parameters())
-    optimizer.step()
-    reference_optimizer.step()
-    assert_losses_equal(2, model(inp).sum(), reference(inp).sum())
 
 
 class MultiForward(nn.Module):
@@ -67,8 +40,9 @@ class MultiForward(nn.Module):
         return self.outer(self.inner(x) + self.inner(x))
 
 
+# raf=True: suites/test_multi_forward.py::test_multi_forward_module[ws2-raf=True].
 @pytest.mark.world_size(2)
-@pytest.mark.parametrize("raf", [True, False], ids=lambda v: f"raf={v}")
+@pytest.mark.parametrize("raf", [False], ids=lambda v: f"raf={v}")
 def test_module_called_twice_in_one_forward(rank_ctx, impl, raf):
     model = MultiForward()
     reference = copy.deepcopy(model)
@@ -135,8 +109,10 @@ def chunked_step(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
     return total
 
 
+# raf=True: suites/test_partial_forward.py::test_partial_group_forward_then_standalone
+# [ws2-raf=True-tie=False-mp=none-ac=False].
 @pytest.mark.world_size(2)
-@pytest.mark.parametrize("raf", [True, False], ids=lambda v: f"raf={v}")
+@pytest.mark.parametrize("raf", [False], ids=lambda v: f"raf={v}")
 def test_partial_group_forward_then_standalone_chunks(rank_ctx, impl, raf):
     model = ChunkedHead()
     reference = copy.deepcopy(model)
@@ -154,34 +130,6 @@ def test_partial_group_forward_then_standalone_chunks(rank_ctx, impl, raf):
         for opt in (optimizer, reference_optimizer):
             opt.step()
             opt.zero_grad(set_to_none=step % 2 == 0)
-
-
-class Raiser(nn.Module):
-    def __init__(self, inner: nn.Module) -> None:
-        super().__init__()
-        self.inner = inner
-        self.armed = False
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.armed:
-            raise RuntimeError("boom")
-        return self.inner(x)
-
-
-@pytest.mark.world_size(2)
-def test_reset_iter_state_after_an_exception(rank_ctx, impl):
-    model = ChunkedHead()
-    model.body = Raiser(model.body)
-    impl.fully_shard([model.norm, model.head])
-    impl.fully_shard(model)
-    tokens = torch.randint(0, 128, (2, 16))
-    model.body.armed = True
-    with pytest.raises(RuntimeError, match="boom"):
-        model(tokens, skip_head=True)
-    model.body.armed = False
-    model.reset_iter_state()
-    model(tokens).sum().backward()
-    assert all(p.grad is not None for p in model.parameters())
 
 
 class PatchEncoder(nn.Module):
@@ -206,94 +154,7 @@ class Encoded(nn.Module):
         return self.projector(self.encoder.forward_features(imgs))
 
 
-@pytest.mark.world_size(2)
-def test_registered_forward_method(rank_ctx, impl):
-    model = Encoded()
-    reference = copy.deepcopy(model)
-    impl.fully_shard(model.encoder)
-    impl.fully_shard(model.projector)
-    impl.fully_shard(model)
-    impl.register_fsdp_forward_method(model.encoder, "forward_features")
-    torch.manual_seed(42 + rank_ctx.rank + 1)
-    inp = torch.randn(2, 3, 32, 32)
-    losses = [m(inp).sum() for m in (model, reference)]
-    assert_losses_equal(0, *losses)
-    for loss in losses:
-        loss.backward()
-    average_gradients(reference)
-    assert_sharded_parity(reference, model)
-
-
 # --- more of cases.md §2.5, §2.8 and §2.13 -------------------------------------------------------
-
-
-@pytest.mark.slow
-@pytest.mark.world_size(4)
-def test_non_root_forward_backward_ws4(rank_ctx, impl):
-    test_non_root_forward_backward(rank_ctx, impl)
-
-
-@pytest.mark.world_size(2)
-def test_double_partial_forward_then_backward(rank_ctx, impl):
-    """Two forwards that skip the head of the [norm, head] group, one backward: no hang, the
-    used parameters get finite gradients and the head's stays None."""
-    torch.manual_seed(42)
-    model = ChunkedHead()
-    impl.fully_shard([model.norm, model.head])
-    impl.fully_shard(model)
-    t1, t2 = torch.randint(0, 128, (2, 16)), torch.randint(0, 128, (2, 16))
-    h1 = model(t1, skip_head=True)
-    h2 = model(t2, skip_head=True)
-    (h1.sum() + h2.sum()).backward()
-    for name in ("embed", "norm"):
-        grad = getattr(model, name).weight.grad
-        assert grad is not None, name
-        assert bool(torch.isfinite(grad.to_local()).all()), name
-    assert model.head.weight.grad is None
-
-
-def shard_chunked_head(impl, model: nn.Module, grouped: bool, raf: bool = True) -> None:
-    impl.fully_shard(model.embed, reshard_after_forward=raf)
-    impl.fully_shard(model.body, reshard_after_forward=raf)
-    if grouped:
-        impl.fully_shard([model.norm, model.head], reshard_after_forward=raf)
-    else:
-        impl.fully_shard(model.norm, reshard_after_forward=raf)
-        impl.fully_shard(model.head, reshard_after_forward=raf)
-    impl.fully_shard(model, reshard_after_forward=raf)
-
-
-@pytest.mark.world_size(2)
-@pytest.mark.parametrize(
-    "raf", [True, pytest.param(False, marks=pytest.mark.slow)], ids=lambda v: f"raf={v}"
-)
-def test_partial_group_forward_grad_accumulation_chunked(rank_ctx, impl, raf):
-    """cases.md §2.5: 3 microbatches of forward-without-head + chunked head, gradient sync only
-    on the last; the [norm, head] group accumulates exactly like separate groups."""
-    models = []
-    for grouped in (False, True):
-        torch.manual_seed(42)
-        model = ChunkedHead()
-        shard_chunked_head(impl, model, grouped, raf)
-        models.append(model)
-    torch.manual_seed(42 + rank_ctx.rank)
-    token_batches = [torch.randint(0, 128, (2, 16)) for _ in range(3)]
-    for model in models:
-        for microbatch, tokens in enumerate(token_batches):
-            last = microbatch == len(token_batches) - 1
-            model.set_requires_gradient_sync(last)
-            model.set_is_last_backward(last)
-            h = model(tokens, skip_head=True)
-            chunk_grads = []
-            for chunk in h.detach().chunk(2, dim=1):
-                chunk = chunk.contiguous().requires_grad_(True)
-                model.head(chunk).sum().backward()
-                chunk_grads.append(chunk.grad)
-            h.backward(torch.cat(chunk_grads, dim=1))
-    separate, grouped = models
-    for (name, p), q in zip(separate.named_parameters(), grouped.parameters(), strict=True):
-        assert p.grad is not None and q.grad is not None, name
-        torch.testing.assert_close(q.grad.to_local(), p.grad.to_local(), msg=name)
 
 
 @pytest.mark.world_size(2)
@@ -348,12 +209,6 @@ def test_tied_weight_across_groups_error_names_the_modules(rank_ctx, impl):
     if impl.name == "reference":
         # Stricter than torch (whose message names only the parameter): both groups' modules.
         assert "tok_embeddings" in message and "output (" in message, message
-
-
-@pytest.mark.slow
-@pytest.mark.world_size(4)
-def test_registered_forward_method_ws4(rank_ctx, impl):
-    test_registered_forward_method(rank_ctx, impl)
 
 
 @pytest.mark.world_size(2)
