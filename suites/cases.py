@@ -14,8 +14,10 @@ decorator marks it with the case's world sizes (one item per size) and with
 * gives a pool of its own to items that reshard to an int smaller than the world size
   (torch caches the sub-mesh by value while the harness destroys its groups after a test).
 
-Grid values are matched as ``name=value`` tokens of the item's parameter id, which is why
-suites build their ids with :func:`grid_id`.
+Grid values are matched as tokens of the item's parameter id: its ``-``-separated parts
+without the world size, ``name=value`` for ids built with :func:`grid_id` (the preferred
+form), or bare values such as ``bf16`` for ids that name values only (the composition suites'
+``1F1B-replicate-bf16``). A key of ``param_requires`` or ``cpu_skip`` must equal one token.
 """
 
 from __future__ import annotations
@@ -200,13 +202,14 @@ def grid(**axes: Sequence[Any]) -> list[Any]:
     return [pytest.param(point, id=grid_id(**point)) for point in points]
 
 
-def param_tokens(item: pytest.Item) -> tuple[str, str]:
-    """The item's parameter id without the world size, and its ``name=value`` tokens."""
+def param_tokens(item: pytest.Item) -> tuple[str, tuple[str, ...]]:
+    """The item's parameter id without the world size, and its tokens (the ``-``-separated
+    parts of that id)."""
     callspec = getattr(item, "callspec", None)
     if callspec is None:
         return "", ()
     parts = [p for p in callspec.id.split("-") if not (p.startswith("ws") and p[2:].isdigit())]
-    return "-".join(parts), tuple(p for p in parts if "=" in p)
+    return "-".join(parts), tuple(parts)
 
 
 def _int_reshard_below_world(item: pytest.Item, world_size: int | None) -> bool:

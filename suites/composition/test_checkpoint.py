@@ -40,6 +40,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.tensor import DTensor
 
 from harness.parity import assert_tensors_close
+from suites.cases import conformance
 from suites.composition.pipeline import (
     LayerChunk,
     MLPModule,
@@ -50,9 +51,6 @@ from suites.composition.pipeline import (
     whole_model,
 )
 from suites.models import MLPStack
-
-requires = pytest.mark.requires_capabilities
-default_run = pytest.mark.default_run
 
 DIM = 16
 GLOBAL_ROWS = 8
@@ -117,8 +115,9 @@ class DataParallel:
         return global_loss / self.size
 
 
+# The layout names make the parameter ids (``fsdp-to-hsdp``): the case table gives the items
+# whose ids hold the token ``hsdp`` or ``replicate`` that capability.
 LAYOUTS = ("fsdp", "fsdp-half", "hsdp", "replicate")
-LAYOUT_CAPABILITIES = {"hsdp": ("hsdp",), "replicate": ("replicate",)}
 
 
 def lay_out(impl, rank_ctx, layout: str, model: nn.Module) -> DataParallel:
@@ -154,21 +153,10 @@ def checkpoint_grid() -> list:
         ("hsdp", "fsdp-half"),
         ("fsdp", "replicate"),
     ]
-    grid = []
-    for saved, loaded in pairs:
-        needed = {cap for layout in (saved, loaded) for cap in LAYOUT_CAPABILITIES.get(layout, ())}
-        grid.append(
-            pytest.param(
-                saved, loaded, marks=[requires(*needed)] if needed else [],
-                id=f"{saved}-to-{loaded}",
-            )
-        )
-    return grid
+    return [pytest.param(saved, loaded, id=f"{saved}-to-{loaded}") for saved, loaded in pairs]
 
 
-@pytest.mark.world_size(4, 8)
-@requires("dcp")
-@default_run("ws4-fsdp-to-fsdp", "ws4-fsdp-to-fsdp-half")
+@conformance("dcp.continue_training")
 @pytest.mark.parametrize(("saved_layout", "loaded_layout"), checkpoint_grid())
 def test_checkpoint_continues_training(rank_ctx, impl, saved_layout, loaded_layout):
     torch.manual_seed(42)
@@ -214,8 +202,7 @@ def full_value(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
-@pytest.mark.world_size(4)
-@requires("dcp", "pp")
+@conformance("pp.dcp.stage_fqns")
 def test_pipeline_stage_checkpoint_keeps_fqns(rank_ctx, impl):
     dp_size = rank_ctx.world_size // PP_SIZE
     mesh = rank_ctx.mesh((dp_size, PP_SIZE), ("dp", "pp"))

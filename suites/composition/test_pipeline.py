@@ -40,6 +40,7 @@ from torch.distributed.tensor.parallel import (
 
 from harness.comm import CommTracer
 from harness.parity import assert_tensors_close
+from suites.cases import conformance
 from suites.composition.pipeline import (
     SCHEDULES,
     SINGLE_STAGE_SCHEDULES,
@@ -66,10 +67,6 @@ MICROBATCH_ROWS = 2
 STEPS = 2
 FP32_GRAD_TOLERANCE = (1e-4, 1e-5)
 
-requires = pytest.mark.requires_capabilities
-default_run = pytest.mark.default_run
-slow = pytest.mark.slow
-
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
@@ -79,22 +76,14 @@ def adamw(params) -> torch.optim.Optimizer:
 
 
 def pipeline_grid() -> list:
+    # The ids' tokens ``replicate`` and ``bf16`` carry the capabilities (suites/cases.toml).
     grid = []
     for schedule in SCHEDULES:
         for data_parallel in ("fully_shard", "replicate"):
             for dtype in DTYPES:
-                marks = []
-                if data_parallel == "replicate":
-                    marks.append(requires("replicate"))
-                if dtype != "fp32":
-                    marks.append(requires("mixed_precision"))
                 grid.append(
                     pytest.param(
-                        schedule,
-                        data_parallel,
-                        dtype,
-                        marks=marks,
-                        id=f"{schedule}-{data_parallel}-{dtype}",
+                        schedule, data_parallel, dtype, id=f"{schedule}-{data_parallel}-{dtype}"
                     )
                 )
     return grid
@@ -121,11 +110,7 @@ def data_parallel_per_layer(impl, kind: str, dp_mesh, mp_policy):
     return distribute
 
 
-@pytest.mark.world_size(4, 8)
-@requires("pp")
-# One representative item per data-parallel kind at world size 4 in the default run; the
-# other schedules, bf16 and world size 8 are slow.
-@default_run("ws4-1F1B-fully_shard-fp32", "ws4-Interleaved1F1B-replicate-fp32")
+@conformance("pp.parity")
 @pytest.mark.parametrize(("schedule", "data_parallel", "dtype_name"), pipeline_grid())
 def test_pipeline_parity(rank_ctx, impl, schedule, data_parallel, dtype_name):
     dtype = DTYPES[dtype_name]
@@ -190,17 +175,11 @@ def reduction_grid() -> list:
     grid = []
     for schedule in ("1F1B", "InterleavedZeroBubble"):
         for data_parallel in ("fully_shard", "replicate"):
-            marks = [requires("replicate")] if data_parallel == "replicate" else []
-            grid.append(
-                pytest.param(schedule, data_parallel, marks=marks, id=f"{schedule}-{data_parallel}")
-            )
+            grid.append(pytest.param(schedule, data_parallel, id=f"{schedule}-{data_parallel}"))
     return grid
 
 
-@pytest.mark.world_size(4)
-@requires("pp")
-# Zero-bubble (the split backward) in the default run; 1F1B and replicate are slow.
-@default_run("ws4-InterleavedZeroBubble-fully_shard")
+@conformance("pp.one_reduction_per_step")
 @pytest.mark.parametrize(("schedule", "data_parallel"), reduction_grid())
 def test_pipeline_reduces_once_per_step(rank_ctx, impl, schedule, data_parallel):
     """Under a schedule, each parameter group's gradients are reduced once per step, not once
@@ -270,15 +249,11 @@ def three_d_grid() -> list:
     grid = []
     for schedule in SCHEDULES:
         for dtype in DTYPES:
-            marks = [slow]
-            if dtype != "fp32":
-                marks.append(requires("mixed_precision"))
-            grid.append(pytest.param(schedule, dtype, marks=marks, id=f"{schedule}-{dtype}"))
+            grid.append(pytest.param(schedule, dtype, id=f"{schedule}-{dtype}"))
     return grid
 
 
-@pytest.mark.world_size(8)
-@requires("pp", "tp")
+@conformance("pp.tp_dp_3d")
 @pytest.mark.parametrize(("schedule", "dtype_name"), three_d_grid())
 def test_3d_tp_dp_pp(rank_ctx, impl, schedule, dtype_name):
     dtype = DTYPES[dtype_name]

@@ -31,10 +31,9 @@ from torch.distributed.tensor.parallel import (
 )
 
 from harness.parity import ReferenceModel, assert_losses_equal, assert_tensors_close
+from suites.cases import conformance
 from suites.models import MLPStack, ModelArgs, Transformer
 
-requires = pytest.mark.requires_capabilities
-default_run = pytest.mark.default_run
 STEPS = 10
 MLP_DIMS = (3, 5, 16, 17)
 
@@ -86,16 +85,13 @@ def assert_meshes(model: nn.Module, names: tuple[str, ...]) -> None:
 
 
 def grid(*axes: tuple[str, tuple]) -> list:
-    """The cartesian product of named axes, ids ``name=value-...``; AC values need the
-    activation-checkpointing capability."""
+    """The cartesian product of named axes, ids ``name=value-...`` (the case table's tokens:
+    ``ac=True`` needs the activation-checkpointing capability)."""
     params = []
     for values in itertools.product(*(choices for _, choices in axes)):
         named = dict(zip((name for name, _ in axes), values, strict=True))
-        marks = [requires("activation_checkpointing")] if named.get("ac") else []
         params.append(
-            pytest.param(
-                *values, marks=marks, id="-".join(f"{k}={v}" for k, v in named.items())
-            )
+            pytest.param(*values, id="-".join(f"{k}={v}" for k, v in named.items()))
         )
     return params
 
@@ -139,9 +135,7 @@ def fully_shard_after_tp(impl, model: MLPStack, tp_mesh, dp_mesh, ac: bool, raf:
 FSDP_TP_GRID = grid(("raf", (False, True)), ("ac", (False, True)), ("dim", MLP_DIMS))
 
 
-@pytest.mark.world_size(4)
-@requires("tp")
-@default_run("ws4-raf=True-ac=False-dim=17")
+@conformance("fsdp.tp.2d_mesh")
 @pytest.mark.parametrize(("raf", "ac", "mlp_dim"), FSDP_TP_GRID)
 def test_2d_fully_shard_tp(rank_ctx, impl, raf, ac, mlp_dim):
     mesh = rank_ctx.mesh((2, 2), ("dp", "tp"))
@@ -155,9 +149,7 @@ def test_2d_fully_shard_tp(rank_ctx, impl, raf, ac, mlp_dim):
     assert_meshes(model, ("dp", "tp"))
 
 
-@pytest.mark.world_size(8)
-@requires("tp", "hsdp")
-@default_run()
+@conformance("fsdp.tp.3d_hsdp_mesh")
 @pytest.mark.parametrize(("raf", "ac", "mlp_dim"), FSDP_TP_GRID)
 def test_3d_hsdp_tp(rank_ctx, impl, raf, ac, mlp_dim):
     names = ("dp_replicate", "dp_shard", "tp")
@@ -175,9 +167,7 @@ def test_3d_hsdp_tp(rank_ctx, impl, raf, ac, mlp_dim):
     assert_meshes(model, names)
 
 
-@pytest.mark.world_size(4)
-@requires("tp", "replicate")
-@default_run()  # all slow: the 2-D fully_shard item stands for TP in the default run
+@conformance("replicate.tp")
 @pytest.mark.parametrize(("ac", "mlp_dim"), grid(("ac", (False, True)), ("dim", MLP_DIMS)))
 def test_replicate_tp(rank_ctx, impl, ac, mlp_dim):
     names = ("dp_replicate", "tp")
@@ -200,7 +190,6 @@ def test_replicate_tp(rank_ctx, impl, ac, mlp_dim):
 
 # --- shard_placement_fn with TP (§2.10 test_shard_placement_fn_tp_ep) -------------------------
 
-CPU_ATTENTION_REASON = "no sharding strategy for CPU attention on TP activations in torch 2.13"
 TP_EP_ARGS = ModelArgs(
     n_layers=2, vocab_size=256, max_seq_len=32, dim=64, n_heads=4, dropout_p=0.0
 )
@@ -239,27 +228,19 @@ def parallelize_transformer(model: Transformer, tp_mesh) -> None:
 
 
 def tp_ep_grid() -> list:
+    """Ids ``tp=..-dpr=..-reshard=..``: the case table gives ``tp=2`` its capability and its
+    CPU skip (see the evidence test below), ``dpr=2`` and ``reshard=2`` theirs."""
     params = []
     for tp, dp_replicate, reshard in itertools.product((1, 2), (1, 2), (False, True, 2)):
-        marks = []
-        if tp > 1:
-            marks += [pytest.mark.cpu_skip(CPU_ATTENTION_REASON), requires("tp")]
-        if dp_replicate > 1:
-            marks.append(requires("hsdp"))
-        if reshard is not True and reshard is not False:
-            marks.append(requires("reshard_after_forward_int"))
         params.append(
             pytest.param(
-                tp, dp_replicate, reshard, marks=marks,
-                id=f"tp={tp}-dpr={dp_replicate}-reshard={reshard}",
+                tp, dp_replicate, reshard, id=f"tp={tp}-dpr={dp_replicate}-reshard={reshard}"
             )
         )
     return params
 
 
-@pytest.mark.world_size(8)
-@requires("shard_placement_fn")
-@default_run()
+@conformance("fsdp.tp.shard_placement_fn_tp_ep")
 @pytest.mark.parametrize(("tp", "dp_replicate", "reshard"), tp_ep_grid())
 def test_shard_placement_fn_tp_ep(rank_ctx, impl, tp, dp_replicate, reshard):
     """The dense part of the catalogue's case: blocks sharded through ``shard_placement_fn``,
@@ -325,9 +306,9 @@ def test_shard_placement_fn_tp_ep(rank_ctx, impl, tp, dp_replicate, reshard):
 @pytest.mark.slow
 @pytest.mark.world_size(2)
 def test_cpu_attention_on_tp_activations_has_no_sharding_strategy(rank_ctx):
-    """The evidence for the ``CPU:`` skip above: on CPU, torch 2.13 has no DTensor sharding
-    strategy for the attention kernel that TP-sharded q/k/v reach. When this starts failing,
-    torch has one and the tp=2 items can run on CPU."""
+    """The evidence for the ``CPU:`` skip of the tp=2 items above (suites/cases.toml): on
+    CPU, torch 2.13 has no DTensor sharding strategy for the attention kernel that TP-sharded
+    q/k/v reach. When this starts failing, torch has one and the tp=2 items can run on CPU."""
     if rank_ctx.device_type != "cpu":
         pytest.skip("checks a CPU-only limitation")
     torch.manual_seed(42)
