@@ -48,10 +48,12 @@ class ReferenceImplementation(Implementation):
             "cpu_offload",
             "activation_checkpointing",
             "ignored_params",
-            # Composition (suites/composition): DCP and TP (DTensor parameters get the
-            # data-parallel dims in front) pass; pp fails InterleavedZeroBubble, so it is not
-            # declared.
+            # Composition (suites/composition): DCP, TP (DTensor parameters get the
+            # data-parallel dims in front) and every pipeline schedule pass (pp: the suite's
+            # DataParallelStage drives data parallelism for it; the engine drives only torch's
+            # FSDPModule).
             "dcp",
+            "pp",
             "tp",
         }
     )
