@@ -3,6 +3,9 @@
 * ``tests.composition.adapters:no_grad_average``: torch's FSDP2, except that every group sums
   gradients over the data-parallel group instead of averaging them (divide factor 1). The
   pipeline gradient case must fail on it.
+* ``tests.composition.adapters:reference_no_grad_average``: the same fault in the reference,
+  whose pipeline stages the suite drives itself (``DataParallelStage``), not torch's engine:
+  the gradient case must fail there too.
 * ``tests.composition.adapters:reference_claiming_all``: the reference with every capability
   declared, so the composition cases run on it even before it declares ``tp`` / ``pp`` /
   ``dcp``; used to find out what works. Not a conformance claim.
@@ -39,6 +42,21 @@ def _summing(managed: Any) -> Any:
 
 def no_grad_average() -> Implementation:
     return NoGradientAverage()
+
+
+def reference_no_grad_average() -> Implementation:
+    base = type(load_implementation("reference"))
+
+    class ReferenceNoGradientAverage(base):
+        name = "reference-without-gradient-average"
+
+        def fully_shard(self, module: nn.Module | list[nn.Module], **kwargs: Any) -> Any:
+            return _summing(super().fully_shard(module, **kwargs))
+
+        def replicate(self, module: nn.Module | list[nn.Module], **kwargs: Any) -> Any:
+            return _summing(super().replicate(module, **kwargs))
+
+    return ReferenceNoGradientAverage()
 
 
 def reference_claiming_all() -> Implementation:
