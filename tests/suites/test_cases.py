@@ -5,7 +5,8 @@ it reads of a pytest item: the case marker, the callspec and the marks it adds).
 collects the real composition modules in a child pytest, with an implementation that declares
 no capability, and reads back each item's marks: the items a CPU cannot run say ``CPU:``
 (before any capability), the others ``UNSUPPORTED: needs capability ...`` with every
-capability the case and its parameter tokens need.
+capability the case and its parameter tokens need; and every composition test that takes the
+``impl`` fixture is tied to a case.
 """
 
 from __future__ import annotations
@@ -218,10 +219,13 @@ import pytest
 def pytest_collection_modifyitems(items):
     for item in items:
         skip = item.get_closest_marker("skip")
+        case = item.get_closest_marker("conformance_case")
         print("ITEM " + json.dumps({
             "id": item.nodeid.split("::", 1)[1],
             "slow": item.get_closest_marker("slow") is not None,
             "skip": None if skip is None else skip.kwargs["reason"],
+            "case": None if case is None else case.args[0],
+            "uses_impl": "impl" in item.fixturenames,
         }))
 """
 
@@ -278,3 +282,9 @@ def test_composition_modules_collect_cpu_and_unsupported_skips(tmp_path):
         f"test_shard_placement_fn_tp_ep[ws8-tp=2-dpr={dpr}-reshard={reshard}]"
         for dpr in (1, 2) for reshard in (False, True, 2)
     )
+    # A composition test of an implementation that is not tied to a case would run on every
+    # implementation, whatever it declares: each one needs a row and @conformance.
+    uncased = sorted(item_id for item_id, entry in items.items()
+                     if entry["uses_impl"] and entry["case"] is None)
+    assert not uncased, f"composition tests without a suites/cases.toml row: {uncased}"
+    assert {entry["case"] for entry in items.values()} - {None} == COMPOSITION_CASES
