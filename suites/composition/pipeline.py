@@ -188,19 +188,21 @@ class DataParallelStage(PipelineStage):
 
     The weight pass writes each ``.grad`` itself after its ``autograd.grad`` call, bypassing
     the parameters' gradient accumulators, so no hook of any implementation sees the last
-    weight pass's gradients (an end-of-backward flush inside it would reduce a step short of
-    them). After the last weight pass, gradient sync goes back on and a zero gradient goes
-    through every parameter's accumulator: an implementation that reduces on its accumulators'
-    hooks (this project's reference, like DDP) reduces then, once. One whose post-backward hangs
-    on module hooks only would not: its gradients stay unreduced and the gradient check says so.
+    weight pass's gradients (an end-of-backward flush inside it runs before they are written:
+    tried, the last microbatch's share went missing). After the last weight pass, gradient
+    sync goes back on and a zero gradient goes through every parameter's accumulator: an
+    implementation that reduces on its accumulators' hooks (this project's reference, like DDP)
+    reduces then, once. One whose post-backward hangs on module hooks only would not: its
+    gradients would stay unreduced, and the gradient check would say so.
 
-    ``perform_reduce_grad`` (the engine calls it once per stage after its last backward)
-    leaves the flags at their defaults and reshards whatever is still unsharded.
+    Either way the step ends with the flags back at their defaults, the gradients reduced once
+    and the groups resharded (``test_pipeline_reduces_once_per_step`` checks the last two), so
+    the engine's ``perform_reduce_grad`` has nothing left to do for these stages.
 
     Torch's own ``FSDPModule`` is left to the engine, which already drives it: driving it here
     too would flip its flags behind the engine's back. Only public methods are used (FSDP2's
-    ``set_requires_gradient_sync``, ``set_reshard_after_backward``, ``set_is_last_backward``,
-    ``reshard``; ``torch.autograd.backward``). Resharding after forward is not touched: with
+    ``set_requires_gradient_sync``, ``set_reshard_after_backward``, ``set_is_last_backward``;
+    ``torch.autograd.backward``). Resharding after forward is not touched: with
     it on, a forward of another microbatch between an input pass and its weight pass would
     reshard the group, so the split schedules need ``reshard_after_forward=False`` (what the
     suite uses).
@@ -228,12 +230,6 @@ class DataParallelStage(PipelineStage):
             self._reduce_through_accumulators()
         return result
 
-    def perform_reduce_grad(self, grad_scale_factor: int) -> None:
-        self._set_gradient_sync(True)
-        for module in self.data_parallel_modules:
-            module.reshard()
-        super().perform_reduce_grad(grad_scale_factor)
-
     def _set_gradient_sync(self, enabled: bool) -> None:
         for module in self.data_parallel_modules:
             module.set_requires_gradient_sync(enabled)
@@ -243,7 +239,8 @@ class DataParallelStage(PipelineStage):
     def _reduce_through_accumulators(self) -> None:
         self._set_gradient_sync(True)
         params = [p for p in self.submod.parameters() if p.requires_grad]
-        # Adding zeros changes no gradient; it only runs the accumulators (and their hooks).
+        # Adding zeros changes no gradient (one that was None becomes zeros); it only runs
+        # the accumulators and their hooks.
         torch.autograd.backward(params, grad_tensors=[torch.zeros_like(p) for p in params])
 
 
