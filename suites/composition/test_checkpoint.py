@@ -220,6 +220,7 @@ def test_pipeline_stage_checkpoint_keeps_fqns(rank_ctx, impl):
         pp_group=mesh["pp"].get_group(),
         device=rank_ctx.device,
         n_microbatches=N_MICROBATCHES,
+        impl=impl,
     )
     (chunk,) = pipeline.chunks
     optimizer = adam(chunk.parameters())
