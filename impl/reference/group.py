@@ -50,8 +50,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Placement, Replicate
 
 from impl.reference import collectives, policies
-from impl.reference.param import ManagedParam, local_data
+from impl.reference.param import ManagedParam
 from impl.reference.policies import MixedPrecisionPolicy, OffloadPolicy
+from impl.reference.tensor_parallel import local_data
 
 
 @dataclass(frozen=True)

@@ -8,22 +8,14 @@ A managed parameter lives in two forms that are swapped in and out of its module
   dim: ``(Shard(d),)`` on a 1-D mesh, ``(Replicate(), Shard(d))`` on an HSDP mesh
   ``(replicate, shard)``, ``(Replicate(),)`` for ``replicate``. It keeps the parameter's
   original dtype and, with CPU offload, lives on the CPU;
-* the **unsharded** form, a plain ``nn.Parameter`` that views the group's unsharded buffer, in
-  the compute dtype (``MixedPrecisionPolicy.param_dtype``) on the compute device. It is created
-  once and reused for every unshard, so autograd's saved tensors and the gradients accumulated
-  on it across microbatches survive a reshard/unshard cycle.
+* the **unsharded** form, an ``nn.Parameter`` that views the group's unsharded buffer (for a
+  tensor-parallel parameter, through a ``DTensor`` on the TP mesh), in the compute dtype
+  (``MixedPrecisionPolicy.param_dtype``) on the compute device. It is created once and reused
+  for every unshard, so autograd's saved tensors and the gradients accumulated on it across
+  microbatches survive a reshard/unshard cycle.
 
-Tensor parallelism. A parameter that is already a ``DTensor`` on a model-parallel mesh (TP)
-is managed through its *local* tensor: the group shards, all-gathers and reduces the TP-local
-rows exactly like a plain parameter. Its unsharded form is again a ``DTensor`` on the TP mesh
-with the TP placements (what the TP-parallelised module expects), and its sharded form lives on
-the data-parallel dims followed by the TP dims, e.g. ``(dp, tp)`` with placements
-``(Shard(0), Shard(0))``; when both split the same dim the data-parallel one is a strided
-shard, since its rows are a slice of a TP shard rather than of the full tensor.
-
-The unsharded form is built with ``Tensor.set_`` onto the buffer's storage rather than as a
-view of the buffer: a view would share the buffer's version counter, and refilling the buffer
-in backward would then look to autograd like an in-place change of a saved tensor.
+A parameter that is already a tensor-parallel ``DTensor`` is managed through its local tensor
+(``impl/reference/tensor_parallel.py``).
 """
 
 from __future__ import annotations
@@ -38,64 +30,9 @@ from torch.distributed.tensor import DTensor, Placement, Shard
 
 from impl import _torch_private
 from impl.reference.sharding import ShardLayout
+from impl.reference.tensor_parallel import ModelParallelSpec, local_data, sharded_layout
 
 _DTensorFactory = tuple[torch.dtype, Callable[[torch.Tensor], DTensor]]
-
-
-@dataclass(frozen=True)
-class ModelParallelSpec:
-    """How a parameter that arrives as a ``DTensor`` (tensor parallelism) is laid out."""
-
-    mesh: DeviceMesh
-    placements: tuple[Placement, ...]
-    shape: torch.Size
-    stride: tuple[int, ...]
-
-    @classmethod
-    def of(cls, param: torch.Tensor) -> ModelParallelSpec | None:
-        if not isinstance(param, DTensor):
-            return None
-        return cls(param.device_mesh, tuple(param.placements), param.shape, param.stride())
-
-    def splits_of(self, dim: int) -> int:
-        """Into how many pieces the model-parallel dims cut tensor dim ``dim``."""
-        pieces = 1
-        for mesh_dim, placement in enumerate(self.placements):
-            if placement.is_shard(dim):
-                pieces *= self.mesh.size(mesh_dim)
-        return pieces
-
-
-def sharded_layout(
-    dp_mesh: DeviceMesh, dp_placements: tuple[Placement, ...], param: torch.Tensor
-) -> tuple[DeviceMesh, tuple[Placement, ...]]:
-    """The mesh and placements of ``param``'s sharded form: the data-parallel ones, followed
-    by the model-parallel ones when ``param`` is a TP ``DTensor``."""
-    spec = ModelParallelSpec.of(param)
-    if spec is None:
-        return dp_mesh, dp_placements
-    if dp_mesh.mesh_dim_names is None or spec.mesh.mesh_dim_names is None:
-        raise ValueError(
-            "a DTensor parameter composes with the data-parallel mesh only when both meshes "
-            "have dim names: slice both from one init_device_mesh(..., mesh_dim_names=...)"
-        )
-    try:
-        mesh = _torch_private.concatenate_meshes([dp_mesh, spec.mesh])
-    except RuntimeError as error:
-        raise ValueError(
-            f"the data-parallel mesh {dp_mesh.mesh_dim_names} and the parameter's mesh "
-            f"{spec.mesh.mesh_dim_names} must be disjoint slices of one root mesh: {error}"
-        ) from error
-    dp_shard = dp_placements[-1]
-    if isinstance(dp_shard, Shard) and spec.splits_of(dp_shard.dim) > 1:
-        dp_shard = _torch_private.strided_shard(dp_shard.dim, spec.splits_of(dp_shard.dim))
-    return mesh, (*dp_placements[:-1], dp_shard, *spec.placements)
-
-
-def local_data(param: torch.Tensor) -> torch.Tensor:
-    """What the data-parallel group shards: the tensor itself, or a ``DTensor``'s local part."""
-    with torch.no_grad():
-        return param.to_local() if isinstance(param, DTensor) else param.detach()
 
 
 @dataclass(frozen=True)
@@ -155,10 +92,9 @@ class ManagedParam:
         # DTensor constructors by dtype, built once (see _torch_private.dtensor_factory).
         self._grad_factory: _DTensorFactory | None = None
         self._unsharded_factory: _DTensorFactory | None = None
-        placement = self.placement
-        if isinstance(placement, Shard):
+        if isinstance(self.placement, Shard):
             self.layout: ShardLayout | None = ShardLayout(
-                tuple(self.shape), placement.dim, shard_size, shard_rank
+                tuple(self.shape), self.placement.dim, shard_size, shard_rank
             )
             self.flat_numel = self.layout.padded_local_numel
         else:
@@ -268,15 +204,10 @@ class ManagedParam:
         return self._unsharded_factory[1](local)
 
     def _local_grad(self, grad: torch.Tensor) -> torch.Tensor:
-        """An unsharded gradient as a plain tensor shaped like ``self.shape``: a TP gradient
-        is first brought to the parameter's placements (it may arrive ``Partial``)."""
-        if not isinstance(grad, DTensor):
+        """An unsharded gradient as a plain tensor shaped like ``self.shape``."""
+        if self.model_parallel is None:
             return grad
-        spec = self.model_parallel
-        assert spec is not None
-        if tuple(grad.placements) != spec.placements:
-            grad = grad.redistribute(spec.mesh, spec.placements)
-        return grad.to_local()
+        return self.model_parallel.local_grad(grad)
 
     # --- registration ------------------------------------------------------------------
 
