@@ -200,9 +200,14 @@ class DataParallelStage(PipelineStage):
     the engine's ``perform_reduce_grad`` has nothing left to do for these stages.
 
     Torch's own ``FSDPModule`` is left to the engine, which already drives it: driving it here
-    too would flip its flags behind the engine's back. Only public methods are used (FSDP2's
-    ``set_requires_gradient_sync``, ``set_reshard_after_backward``, ``set_is_last_backward``;
-    ``torch.autograd.backward``). Resharding after forward is not touched: with
+    too would flip its flags behind the engine's back. The implementation is driven through
+    public FSDP2 methods only (``set_requires_gradient_sync``, ``set_reshard_after_backward``,
+    ``set_is_last_backward``; ``torch.autograd.backward``). The engine side is not public: the
+    class overrides ``PipelineStage.backward_maybe_with_nosync``, an undocumented method whose
+    calls were read in torch 2.13 (``"full"`` passes on single-backward schedules, ``"input"``
+    then ``"weight"`` on the zero-bubble ones, ``last_backward`` only on a microbatch's final
+    pass); ``test_pipeline_reduces_once_per_step`` fails if another version calls it
+    otherwise. Resharding after forward is not touched: with
     it on, a forward of another microbatch between an input pass and its weight pass would
     reshard the group, so the split schedules need ``reshard_after_forward=False`` (what the
     suite uses).
@@ -224,30 +229,37 @@ class DataParallelStage(PipelineStage):
     def backward_maybe_with_nosync(
         self, backward_type: str, bwd_kwargs: dict, last_backward: bool = False
     ):
-        self._set_gradient_sync(last_backward and backward_type == "full")
+        self._set_last_backward_flags(last_backward and backward_type == "full")
         result = super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
         if last_backward and backward_type == "weight":
             self._reduce_through_accumulators()
         return result
 
-    def _set_gradient_sync(self, enabled: bool) -> None:
+    def _set_last_backward_flags(self, enabled: bool) -> None:
         for module in self.data_parallel_modules:
             module.set_requires_gradient_sync(enabled)
             module.set_reshard_after_backward(enabled)
             module.set_is_last_backward(enabled)
 
     def _reduce_through_accumulators(self) -> None:
-        self._set_gradient_sync(True)
+        self._set_last_backward_flags(True)
+        # Every trainable parameter, not only those whose ``.grad`` is set: under no-sync an
+        # implementation may keep the accumulated gradient elsewhere (the reference keeps it in
+        # the reduce dtype under mixed precision, ``.grad`` None; filtering on ``.grad`` failed
+        # the bf16 replicate items). Adding zeros changes no gradient; it only runs the
+        # accumulators and their hooks. A parameter unused by every microbatch would get a zero
+        # gradient instead of None: the suite's stages use all of theirs.
         params = [p for p in self.submod.parameters() if p.requires_grad]
-        # Adding zeros changes no gradient (one that was None becomes zeros); it only runs
-        # the accumulators and their hooks.
         torch.autograd.backward(params, grad_tensors=[torch.zeros_like(p) for p in params])
 
 
 def data_parallel_modules(module: nn.Module, impl: Implementation) -> list[nn.Module]:
-    """The outermost modules under ``module`` that ``impl`` manages and the pipelining engine
-    does not drive itself (anything but torch's ``FSDPModule``); the FSDP2 controls recurse
-    from them."""
+    """The outermost modules under ``module`` that ``impl`` manages; the FSDP2 controls recurse
+    from them.
+
+    Empty as soon as a torch ``FSDPModule`` is found on the way down: the engine drives a
+    stage whose root is one, and a stage with torch's FSDP2 only below its root is left as
+    the engine leaves it (not driven by anybody), so this suite tests torch as torch is used."""
     if isinstance(module, TorchFSDPModule):
         return []
     if impl.is_managed(module):
