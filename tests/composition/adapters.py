@@ -21,8 +21,9 @@ from impl.api import KNOWN_CAPABILITIES, Implementation, load_implementation
 from impl.torch_adapter import TorchImplementation
 
 
-class NoGradientAverage(TorchImplementation):
-    name = "torch-without-gradient-average"
+class SummingGradients:
+    """Mixed in before an implementation: every group it makes sums gradients over the
+    data-parallel group instead of averaging them."""
 
     def fully_shard(self, module: nn.Module | list[nn.Module], **kwargs: Any) -> Any:
         return _summing(super().fully_shard(module, **kwargs))
@@ -40,23 +41,22 @@ def _summing(managed: Any) -> Any:
     return managed
 
 
+class NoGradientAverage(SummingGradients, TorchImplementation):
+    name = "torch-without-gradient-average"
+
+
 def no_grad_average() -> Implementation:
     return NoGradientAverage()
 
 
 def reference_no_grad_average() -> Implementation:
     base = type(load_implementation("reference"))
-
-    class ReferenceNoGradientAverage(base):
-        name = "reference-without-gradient-average"
-
-        def fully_shard(self, module: nn.Module | list[nn.Module], **kwargs: Any) -> Any:
-            return _summing(super().fully_shard(module, **kwargs))
-
-        def replicate(self, module: nn.Module | list[nn.Module], **kwargs: Any) -> Any:
-            return _summing(super().replicate(module, **kwargs))
-
-    return ReferenceNoGradientAverage()
+    summing = type(
+        "ReferenceNoGradientAverage",
+        (SummingGradients, base),
+        {"name": "reference-without-gradient-average", "__module__": __name__},
+    )
+    return summing()
 
 
 def reference_claiming_all() -> Implementation:
