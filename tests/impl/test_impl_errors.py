@@ -1,8 +1,10 @@
 """Misuse fails with an error that says what is wrong (cases.md §5.1 items 1 and 6).
 
-cases.md §2.8 (a weight tied across groups fails at the first forward; layer-by-layer sharding
-is no false tie) is ``suites/test_shared_params.py``; the reference's error naming both groups'
-modules is ``test_structure.py``.
+cases.md §2.8 is in the suites' default run:
+``suites/test_shared_params.py::test_shared_params_separate_fsdp_groups_error[ws4]`` (a weight
+tied across groups fails at the first forward) and
+``::test_layer_by_layer_shard_no_false_positive[ws4]`` (layer-by-layer sharding is no false
+tie); the reference's error naming both groups' modules is ``test_structure.py``.
 """
 
 from __future__ import annotations

@@ -4,9 +4,12 @@ Every test body runs on every rank; the harness seeds RNG identically on all ran
 built here start equal everywhere without a broadcast.
 
 Checked by the conformance suites in the default run instead, so not repeated here:
-``modules_to_run_forward`` (``suites/test_registration.py``), contiguous parameters and
-gradients under ``shard_placement_fn`` (``suites/test_shard_placement.py``), and root forward
-inputs (``suites/test_forward_inputs.py``).
+``modules_to_run_forward``
+(``suites/test_registration.py::test_modules_to_run_forward_empty_for_single_module[ws4]``),
+contiguous parameters and gradients under ``shard_placement_fn``
+(``suites/test_shard_placement.py::test_shard_placement_fn_contiguous_params_grads[ws4]``), and
+root forward inputs (``suites/test_forward_inputs.py::test_root_no_forward_inputs[ws2]``,
+``::test_root_move_forward_input_to_device[ws2]``).
 """
 
 from __future__ import annotations

@@ -7,10 +7,13 @@ tied across groups (the error names the modules). Prefetching and async unshard:
 ``test_prefetch.py``.
 
 What a conformance suite already checks in the default run is not repeated here: non-root
-standalone steps (``suites/test_non_root.py``), ``register_fsdp_forward_method`` with
-``fully_shard`` (``suites/test_forward_method.py``), ``reset_iter_state``, double partial
-forwards and chunked accumulation (``suites/test_partial_forward.py``), and the ``raf=True``
-items of the two parametrized tests below.
+standalone steps (``suites/test_non_root.py::test_non_root_forward_backward[ws2]``),
+``register_fsdp_forward_method`` with ``fully_shard``
+(``suites/test_forward_method.py::test_register_fsdp_forward_method[ws2]``), and in
+``suites/test_partial_forward.py``: ``::test_reset_iter_state_after_exception[ws2]``,
+``::test_double_partial_forward_then_backward[ws2]``,
+``::test_partial_group_forward_grad_accum_chunked[ws2-raf=True]``; the ``raf=True`` items of
+the two parametrized tests below name theirs.
 """
 
 from __future__ import annotations
