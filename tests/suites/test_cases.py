@@ -230,6 +230,9 @@ def pytest_collection_modifyitems(items):
 """
 
 
+# Slow: a child pytest pays a torch import and collects every composition module (10-45 s on
+# 2 shared cores); the rules themselves are unit-tested above in the default run.
+@pytest.mark.slow
 def test_composition_modules_collect_cpu_and_unsupported_skips(tmp_path):
     (tmp_path / "declares_nothing.py").write_text(NO_CAPABILITIES)
     (tmp_path / "dump_composition_marks.py").write_text(MARK_DUMP)
