@@ -150,6 +150,7 @@ class CollectiveCall:
     site: str
     peer: int | None = None
     time: float = 0.0
+    op: str | None = None  # the reduce op of reductions: SUM, AVG, PREMUL_SUM, ...
 
     @property
     def signature(self) -> tuple:
@@ -203,6 +204,7 @@ class RawCall:
     numel: int | None = None
     nbytes: int | None = None
     time: float = 0.0
+    op: str | None = None
 
     def __post_init__(self) -> None:
         if self.shapes is None:
@@ -231,6 +233,18 @@ def wire_bytes(kind: str, nbytes: int, out_nbytes: int, group_size: int) -> int:
     if kind == RECV:
         return 0
     return nbytes
+
+
+def reduce_op_name(op: Any) -> str | None:
+    """``SUM``, ``AVG``, ``PREMUL_SUM``... for a ``ReduceOp`` (or its ``RedOpType``) or a
+    functional collective's op string; ``None`` for anything else."""
+    if op is None:
+        return None
+    if isinstance(op, str):
+        return op.upper()
+    kind = getattr(op, "op", op)  # a ReduceOp instance (PREMUL_SUM) wraps its RedOpType
+    name = getattr(kind, "name", None)
+    return name if isinstance(name, str) else None
 
 
 def flatten_tensors(value: Any) -> list[torch.Tensor]:
@@ -354,6 +368,7 @@ def bind_dist_call(name: str, func: Callable[..., Any], args: tuple, kwargs: dic
         site=site,
         auto_phase=phase,
         peer=values.get(peer_param) if peer_param else None,
+        op=reduce_op_name(values.get("op")),
     )
 
 
@@ -396,6 +411,7 @@ def bind_functional_call(name: str, args: tuple, kwargs: dict) -> RawCall:
         out_nbytes = out_numel * inputs[0].element_size()
     site, phase = site_and_phase()
     peer = args[1] if kind in POINT_TO_POINT and len(args) > 1 else None
+    op = args[1] if kind in (ALL_REDUCE, REDUCE_SCATTER) and len(args) > 1 else None
     return RawCall(
         kind=kind,
         api=f"funcol.{name}",
@@ -406,4 +422,5 @@ def bind_functional_call(name: str, args: tuple, kwargs: dict) -> RawCall:
         site=site,
         auto_phase=phase,
         peer=peer,
+        op=reduce_op_name(op),
     )

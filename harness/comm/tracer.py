@@ -62,6 +62,7 @@ class CallNumbering:
             site=raw.site,
             peer=raw.peer,
             time=raw.time,
+            op=raw.op,
         )
         self._seq += 1
         self._group_seq[name] += 1
