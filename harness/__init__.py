@@ -5,7 +5,9 @@ Public API:
 - ``@pytest.mark.world_size(2, 4)`` and the ``rank_ctx`` fixture (the pytest plugin);
 - :func:`run_on_ranks` / :func:`launch` for code that is not a test;
 - :func:`get_rank_context` inside a function running on a rank;
-- :class:`RankLocal` for fixtures whose value must be built inside each rank.
+- :class:`RankLocal` for fixtures whose value must be built inside each rank;
+- :class:`DeviceAudit` (a ``TorchFunctionMode``) and :class:`DeviceAuditError`, the check
+  behind ``@pytest.mark.device_audit`` and ``--dist-device-audit``.
 
 Names are imported on first use, so tools that only need a light module (the fork
 server's clients, device leasing) do not pay for importing torch.
@@ -18,6 +20,8 @@ from typing import Any
 
 _EXPORTS = {
     "ConfigError": "harness.config",
+    "DeviceAudit": "harness.device_audit",
+    "DeviceAuditError": "harness.device_audit",
     "DistributedFailure": "harness.report",
     "Outcome": "harness.outcomes",
     "RankContext": "harness.rank_context",

@@ -39,12 +39,15 @@ def launch(
     peer_grace: float = DEFAULT_PEER_GRACE_S,
     rendezvous: str = "file",
     echo: Callable[[str], None] | None = None,
+    device_audit: bool = False,
 ) -> RunResult:
     """Run ``fn(*args, **kwargs)`` on every rank of a fresh pool; return every rank's result.
 
     ``fn`` must be importable by reference (defined at module level) and its arguments
     picklable. Inside ``fn``, ``harness.get_rank_context()`` gives the rank's context.
     Nothing is raised for a failing rank: inspect the returned :class:`RunResult`.
+    ``device_audit`` fails ``fn`` on a rank when it creates a tensor without a device
+    (:mod:`harness.device_audit`).
     """
     world_size = check_world_size(world_size)
     launcher = check_launcher(launcher)
@@ -71,6 +74,7 @@ def launch(
         sys_path=tuple(p for p in sys.path if p),
         seed=seed,
         pg_timeout=pg_timeout_for(deadline),
+        device_audit=device_audit,
     )
     key = PoolKey(
         launcher=launcher,

@@ -137,6 +137,7 @@ class DistSettings:
     peer_grace: float = DEFAULT_PEER_GRACE_S
     rendezvous: str = "file"
     memory_limit: int | None = None
+    device_audit: bool = False
 
     def threads_for(self, world_size: int) -> int:
         return self.threads_per_rank or default_threads_per_rank(world_size)

@@ -42,6 +42,9 @@ _MARKERS = (
     "requires_accelerator: skip unless the run's device is an accelerator",
     "memory_limit(size): each rank of this test may allocate at most this much more memory "
     "(e.g. '512MiB'); process ranks only",
+    "device_audit(enabled=True): fail this distributed test when its body creates a tensor "
+    "with a factory (torch.randn, nn.Linear, ...) and no device, which on an accelerator run "
+    "would land on the CPU; device_audit(False) exempts a test from --dist-device-audit",
 )
 
 
@@ -110,6 +113,13 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="default per-rank memory limit for distributed tests, e.g. 2GiB (process ranks)",
     )
     group.addoption(
+        "--dist-device-audit",
+        action="store_true",
+        default=False,
+        help="fail every distributed test whose body creates a tensor without a device "
+        "(default: ini dist_device_audit, off; marker device_audit for one test)",
+    )
+    group.addoption(
         "--dist-summary",
         action="store_true",
         default=False,
@@ -128,6 +138,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     conformance_plugin.add_options(parser)
     parser.addini("dist_deadline", "default per-test deadline in seconds", default="")
     parser.addini("dist_launcher", "default launcher", default="process")
+    parser.addini(
+        "dist_device_audit",
+        "fail distributed tests whose body creates a tensor without a device",
+        type="bool",
+        default=False,
+    )
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -193,6 +209,7 @@ def _settings_from(config: pytest.Config) -> DistSettings:
         peer_grace=grace,
         rendezvous=config.getoption("dist_rendezvous"),
         memory_limit=_memory_limit(config.getoption("dist_memory_limit"), "--dist-memory-limit"),
+        device_audit=config.getoption("dist_device_audit") or config.getini("dist_device_audit"),
     )
 
 

@@ -142,6 +142,20 @@ def memory_limit_for(item: pytest.Item) -> int | None:
         raise pytest.UsageError(f"{item.nodeid}: {exc}") from None
 
 
+def device_audit_for(item: pytest.Item) -> bool:
+    """The ``device_audit`` marker, else --dist-device-audit / ini ``dist_device_audit``."""
+    marker = item.get_closest_marker("device_audit")
+    if marker is None:
+        return _settings(item).device_audit
+    enabled = marker.kwargs.get("enabled", marker.args[0] if marker.args else True)
+    if len(marker.args) > 1 or set(marker.kwargs) - {"enabled"} or not isinstance(enabled, bool):
+        raise pytest.UsageError(
+            f"{item.nodeid}: @pytest.mark.device_audit takes one optional bool (enabled), got "
+            f"args {marker.args!r} and kwargs {marker.kwargs!r}"
+        )
+    return enabled
+
+
 def pool_key(settings: DistSettings, world_size: int) -> PoolKey:
     return PoolKey(
         launcher=settings.launcher,
@@ -174,6 +188,7 @@ def run_item(item: pytest.Function) -> None:
         pg_timeout=pg_timeout_for(deadline),
         memory_limit=memory_limit_for(item),
         warning_filters=filters_from_config(item.config) if settings.launcher != "thread" else (),
+        device_audit=device_audit_for(item),
     )
     world = external_world(item.config)
     if world is not None:
@@ -257,6 +272,8 @@ def reproducer(item: pytest.Item, settings: DistSettings) -> str:
         "--dist-seed",
         str(settings.seed),
     ]
+    if settings.device_audit:
+        args.append("--dist-device-audit")
     for extra in item.config.hook.pytest_distconform_reproducer_args(config=item.config):
         args.extend(extra)
     return shlex.join(args)
@@ -273,4 +290,3 @@ def decorate_report(item: pytest.Item, call: pytest.CallInfo, report: pytest.Tes
     if isinstance(failure, DistributedFailure) and report.failed:
         report.longrepr = failure.text
         report.distconform_failure_text = failure.text
-

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from harness.device_audit import device_audit
 from harness.outcomes import Outcome, RankResult
 from harness.rank_context import RankContext, RankLocal, active_rank_context
 from harness.rank_warnings import rank_warning_capture
@@ -107,7 +108,10 @@ def _call(task: RankTask, ctx: RankContext, result: RankResult) -> None:
     reseed(task.seed, ctx.device_type)
     if dist.is_initialized():
         dist.group.WORLD.set_timeout(timedelta(seconds=task.pg_timeout))
-    result.value = fn(*args, **kwargs)
+    # Around the test body only: the harness's own set-up above (rank-local fixtures,
+    # reseeding) and its teardown may create tensors wherever they need to.
+    with device_audit(task.device_audit, ctx.device):
+        result.value = fn(*args, **kwargs)
 
 
 def _outcome_exception_kind(exc: BaseException) -> Outcome | None:

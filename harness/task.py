@@ -45,6 +45,8 @@ class RankTask:
     memory_limit: int | None = None
     # pytest's warning filters: (filter, whether its text is literal).
     warning_filters: tuple[tuple[str, bool], ...] = ()
+    # Fail device-less tensor factories in the test body (harness/device_audit.py).
+    device_audit: bool = False
 
 
 def pack_call(fn: Any, args: tuple, kwargs: dict[str, Any]) -> tuple[bytes, tuple[ModuleRef, ...]]:
