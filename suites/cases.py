@@ -12,7 +12,14 @@ decorator marks it with the case's world sizes (one item per size) and with
 * marks ``slow`` every item whose parameter id matches none of the case's ``fast``
   patterns (no ``fast`` key: every item is in the default run);
 * gives a pool of its own to items that reshard to an int smaller than the world size
-  (torch caches the sub-mesh by value while the harness destroys its groups after a test).
+  (torch caches the sub-mesh by value while the harness destroys its groups after a test);
+* records, skipped or not, the item's case and the capabilities it needs as user properties
+  (``conformance_case``, ``capabilities``), which the conformance report groups by profile;
+* leaves out the items of an ``only_undeclared`` case (the refusal probes, parametrized by
+  ``capability=X``) whose capability the implementation declares: its own cases run instead.
+
+The table's ``[profile.NAME]`` rows are the conformance profiles (``load_profiles``): a
+required core, and one extension per capability no profile lists, named after it.
 
 Grid values are matched as tokens of the item's parameter id: its ``-``-separated parts
 without the world size, ``name=value`` for ids built with :func:`grid_id` (the preferred
@@ -31,6 +38,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+from harness.conformance.report import CAPABILITIES_PROPERTY, CASE_PROPERTY, Profile
 
 CASES_FILE = Path(__file__).with_name("cases.toml")
 CASE_MARKER = "conformance_case"
@@ -56,12 +65,19 @@ class Case:
     launchers: frozenset[str] = LAUNCHERS
     fast: tuple[str, ...] | None = None
     suite: str = ""
+    #: Items parametrized by ``capability=X`` apply only where X is not declared (refusals).
+    only_undeclared: bool = False
+
+    def needed_capabilities(self, tokens: Iterable[str]) -> list[str]:
+        """What an item with these parameter tokens needs: ``requires`` plus its grid values'
+        ``param_requires``, sorted."""
+        needed = set(self.requires)
+        for token in tokens:
+            needed.update(self.param_requires.get(token, ()))
+        return sorted(needed)
 
     def missing_capabilities(self, tokens: Iterable[str], declared: frozenset[str]) -> list[str]:
-        needed = list(self.requires)
-        for token in tokens:
-            needed.extend(self.param_requires.get(token, ()))
-        return sorted({cap for cap in needed if cap not in declared})
+        return [cap for cap in self.needed_capabilities(tokens) if cap not in declared]
 
     def cpu_skip_reason(self, tokens: Iterable[str]) -> str | None:
         if not self.cpu:
@@ -110,6 +126,7 @@ def parse_cases(text: str, *, known_capabilities: Iterable[str] | None = None) -
         "launchers",
         "fast",
         "suite",
+        "only_undeclared",
     }
     raw = tomllib.loads(text).get("case", {})
     cases: dict[str, Case] = {}
@@ -150,8 +167,58 @@ def parse_cases(text: str, *, known_capabilities: Iterable[str] | None = None) -
             launchers=launchers,
             fast=None if fast is None else _tuple(fast, f"{case_id}.fast"),
             suite=row.get("suite", ""),
+            only_undeclared=bool(row.get("only_undeclared", False)),
         )
     return cases
+
+
+def parse_profiles(
+    text: str, *, known_capabilities: Iterable[str] | None = None
+) -> dict[str, Profile]:
+    """The ``[profile.NAME]`` rows of a TOML text, validated like the cases."""
+    known = frozenset(known_capabilities) if known_capabilities is not None else None
+    allowed_keys = {"description", "required", "capabilities"}
+    profiles: dict[str, Profile] = {}
+    for name, row in tomllib.loads(text).get("profile", {}).items():
+        unknown = set(row) - allowed_keys
+        if unknown:
+            raise ValueError(f"profile {name!r}: unknown keys {sorted(unknown)}")
+        required = row.get("required", False)
+        if not isinstance(required, bool):
+            raise ValueError(f"profile {name!r}: required must be true or false")
+        capabilities = _tuple(row.get("capabilities", []), f"profile {name}.capabilities")
+        if not capabilities:
+            raise ValueError(f"profile {name!r}: lists no capabilities")
+        if known is not None and set(capabilities) - known:
+            raise ValueError(
+                f"profile {name!r}: unknown capabilities {sorted(set(capabilities) - known)}"
+            )
+        profiles[name] = Profile(name, str(row.get("description", "")), required, capabilities)
+    return profiles
+
+
+def with_extensions(
+    profiles: dict[str, Profile], known_capabilities: Iterable[str]
+) -> tuple[Profile, ...]:
+    """The table's profiles, then one extension per capability none of them lists."""
+    listed = {cap for profile in profiles.values() for cap in profile.capabilities}
+    extensions = []
+    for capability in sorted(set(known_capabilities) - listed):
+        if capability in profiles:
+            raise ValueError(f"profile {capability!r} is named after a capability it leaves out")
+        extensions.append(Profile(capability, f"extension: {capability}", False, (capability,)))
+    return (*profiles.values(), *extensions)
+
+
+@functools.cache
+def load_profiles() -> tuple[Profile, ...]:
+    """The project's profiles: those of the case table, then the generated extensions."""
+    from impl.api import KNOWN_CAPABILITIES
+
+    profiles = parse_profiles(CASES_FILE.read_text(), known_capabilities=KNOWN_CAPABILITIES)
+    if not any(profile.required for profile in profiles.values()):
+        raise ValueError(f"{CASES_FILE.name} defines no required profile")
+    return with_extensions(profiles, KNOWN_CAPABILITIES)
 
 
 @functools.cache
@@ -223,6 +290,15 @@ def _int_reshard_below_world(item: pytest.Item, world_size: int | None) -> bool:
     return False
 
 
+def _record_case(item: pytest.Item, row: Case, tokens: Iterable[str]) -> None:
+    # User properties travel in every TestReport, across pytest-xdist too (items do not), so
+    # the report can place a skipped item in its profile as well as one that ran.
+    if any(name == CASE_PROPERTY for name, _ in item.user_properties):
+        return  # collection hooks may run twice (e.g. a plugin re-applying the table)
+    item.user_properties.append((CASE_PROPERTY, row.case_id))
+    item.user_properties.append((CAPABILITIES_PROPERTY, ",".join(row.needed_capabilities(tokens))))
+
+
 def apply_case_table(
     items: list[pytest.Item],
     *,
@@ -230,14 +306,21 @@ def apply_case_table(
     launcher: str,
     capabilities: frozenset[str],
     world_size_of: Callable[[pytest.Item], int | None],
-) -> None:
-    """Add the skips, ``slow`` and ``fresh_pool`` marks the case table asks for."""
+) -> list[pytest.Item]:
+    """Add the skips, ``slow`` and ``fresh_pool`` marks the case table asks for, and the user
+    properties the conformance report reads; return the items that do not apply at all (an
+    ``only_undeclared`` case's items for declared capabilities), for the caller to deselect."""
+    inapplicable = []
     for item in items:
         marker = item.get_closest_marker(CASE_MARKER)
         if marker is None:
             continue
         row = case(marker.args[0])
         param_id, tokens = param_tokens(item)
+        if row.only_undeclared and _probed_capability(tokens) in capabilities:
+            inapplicable.append(item)
+            continue
+        _record_case(item, row, tokens)
         if not row.is_fast(param_id, world_size_of(item)):
             item.add_marker(pytest.mark.slow)
         if _int_reshard_below_world(item, world_size_of(item)):
@@ -259,3 +342,12 @@ def apply_case_table(
                     f"{', '.join(sorted(row.launchers))} ranks only"
                 )
             )
+    return inapplicable
+
+
+def _probed_capability(tokens: Iterable[str]) -> str | None:
+    for token in tokens:
+        name, _, value = token.partition("=")
+        if name == "capability":
+            return value
+    return None

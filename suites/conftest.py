@@ -28,10 +28,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         capabilities = load_implementation(spec).capabilities
     except (ImportError, ValueError, TypeError) as error:
         raise pytest.UsageError(f"--impl {spec}: {error}") from error
-    apply_case_table(
+    inapplicable = apply_case_table(
         items,
         device_type=config.getoption("device") or "cpu",
         launcher=config.getoption("launcher") or config.getini("dist_launcher"),
         capabilities=capabilities,
         world_size_of=world_size_of,
     )
+    if inapplicable:
+        left_out = {id(item) for item in inapplicable}
+        items[:] = [item for item in items if id(item) not in left_out]
+        config.hook.pytest_deselected(items=inapplicable)

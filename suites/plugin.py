@@ -1,4 +1,5 @@
-"""pytest glue for the conformance suites: ``--impl`` and the ``impl`` fixture.
+"""pytest glue for the conformance suites: ``--impl``, the ``impl`` fixture and the profiles the
+conformance report groups cases by (``pytest_distconform_conformance_profiles``).
 
 Registered through the ``pytest11`` entry point ``distconform-suites``. The ``impl`` fixture is
 resolved in the pytest parent; the value pickles as its spec (``impl.api.Implementation``'s
@@ -7,6 +8,8 @@ process boundaries.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import pytest
 
@@ -30,6 +33,15 @@ def selected_spec(config: pytest.Config) -> str:
 
 def pytest_report_header(config: pytest.Config) -> str:
     return f"distconform implementation: {selected_spec(config)}"
+
+
+# Optional: the spec lives in harness.hookspecs, and this plugin must load without it.
+@pytest.hookimpl(optionalhook=True)
+def pytest_distconform_conformance_profiles(config: pytest.Config) -> list[dict[str, Any]]:
+    """The case table's profiles, for the conformance report's headline."""
+    from suites.cases import load_profiles
+
+    return [profile.as_hook_dict() for profile in load_profiles()]
 
 
 @pytest.fixture(scope="session")

@@ -4,7 +4,9 @@ Registered by :mod:`harness.plugin` for every session. Expectations are applied 
 file is named (``--expectations``) or the implementation under test has one in
 ``suites/expectations/<spec>.toml``; the report is written and printed with
 ``--conformance-out DIR`` (or ``--conformance-table`` to only print it). The report is
-built from pytest's own ``TestReport`` objects, so it covers whatever was collected.
+built from pytest's own ``TestReport`` objects, so it covers whatever was collected. Its
+profiles come from the ``pytest_distconform_conformance_profiles`` hook (the suites' plugin
+implements it; the harness never imports the suites for it).
 """
 
 from __future__ import annotations
@@ -107,6 +109,7 @@ class ConformancePlugin:
         self.reporting = self.out_dir is not None or config.getoption("conformance_table")
         self.recorder = conformance_report.Recorder()
         self.stale: list[Entry] = []
+        self.profiles: list[conformance_report.Profile] = []
         self.report: conformance_report.ConformanceReport | None = None
 
     def pytest_configure(self, config: pytest.Config) -> None:
@@ -115,6 +118,13 @@ class ConformancePlugin:
             "feature(name): the conformance report's feature for this test "
             "(default: its module name without test_)",
         )
+        if self.reporting:
+            # Asked now, not at the end, so that a malformed answer is a usage error.
+            raw = config.hook.pytest_distconform_conformance_profiles(config=config)
+            try:
+                self.profiles = conformance_report.profiles_from_hook(raw)
+            except ValueError as exc:
+                raise pytest.UsageError(f"distconform: {exc}") from None
 
     def pytest_distconform_reproducer_args(self, config: pytest.Config) -> list[str]:
         args: list[str] = []
@@ -174,7 +184,7 @@ class ConformancePlugin:
         if not self.reporting or hasattr(self.config, "workerinput"):
             return  # a pytest-xdist worker: the controller sees every report and writes
         environment = conformance_report.environment_of(self.config, self.spec, self.expectations)
-        self.report = self.recorder.build(environment, self.stale)
+        self.report = self.recorder.build(environment, self.stale, self.profiles)
         if self.out_dir is not None:
             junit = getattr(self.config.option, "xmlpath", None)
             self.report.write(self.out_dir, junit_path=junit)

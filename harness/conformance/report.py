@@ -14,6 +14,13 @@ Statuses (a test has exactly one):
 Conformance = (PASS + XPASS) / (PASS + XPASS + FAIL + XFAIL): the share of the cases that
 apply to this implementation on this device and that behave as specified. UNSUPPORTED and
 SKIP are reported next to it, never hidden in it.
+
+Profiles (from the ``pytest_distconform_conformance_profiles`` hook) come first: since an
+UNSUPPORTED case never lowers that share, a capability left undeclared would otherwise
+buy 100 %. A test tied to a case carries its case and the capabilities it needs as user
+properties; each profile counts its tests, and a required profile whose capabilities the
+implementation does not all declare gets no percentage: the headline says it is not
+conformant and names what is missing.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ import platform
 import re
 import sys
 from collections import Counter, defaultdict
+from collections.abc import Collection, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,9 +42,13 @@ import pytest
 from harness.conformance.expectations import Entry, Expectations
 
 SCHEMA = "distconform-conformance"
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 STATUSES = ("PASS", "FAIL", "XFAIL", "XPASS", "UNSUPPORTED", "SKIP")
+APPLIED_STATUSES = ("PASS", "FAIL", "XFAIL", "XPASS")
 UNSUPPORTED_PREFIX = "UNSUPPORTED:"
+#: User properties of a test tied to a case (set by the suites at collection).
+CASE_PROPERTY = "conformance_case"
+CAPABILITIES_PROPERTY = "capabilities"
 _MAX_DETAIL_CHARS = 4000
 
 
@@ -53,6 +65,10 @@ class TestResult:
     detail: str = ""
     category: str = ""
     link: str = ""
+    #: The case-table row this test stands for (None: not a conformance case).
+    case: str | None = None
+    #: The capabilities it needs (sorted; empty when it needs none or is no case).
+    capabilities: list[str] = field(default_factory=list)
 
 
 def feature_of(item: pytest.Item) -> str:
@@ -131,6 +147,7 @@ class Recorder:
                 (feature_from_nodeid(report.nodeid), world_size_from_nodeid(report.nodeid)),
             )
             result = self.results[report.nodeid] = TestResult(report.nodeid, feature, world_size)
+        _read_case_properties(result, report)
         result.duration_s += report.duration
         if report.when == "teardown":
             if report.failed and result.status != "FAIL":
@@ -166,8 +183,184 @@ class Recorder:
         result.message = _crash_message(report)
         result.detail = report.longreprtext[-_MAX_DETAIL_CHARS:]
 
-    def build(self, environment: dict[str, Any], stale: list[Entry]) -> ConformanceReport:
-        return ConformanceReport(environment, list(self.results.values()), stale)
+    def build(
+        self,
+        environment: dict[str, Any],
+        stale: list[Entry],
+        profiles: Sequence[Profile] = (),
+    ) -> ConformanceReport:
+        return ConformanceReport(environment, list(self.results.values()), stale, list(profiles))
+
+
+def _read_case_properties(result: TestResult, report: pytest.TestReport) -> None:
+    properties = dict(getattr(report, "user_properties", None) or ())
+    if CASE_PROPERTY not in properties:
+        return  # "capabilities" alone may be a project's own record_property
+    result.case = str(properties[CASE_PROPERTY])
+    needs = str(properties.get(CAPABILITIES_PROPERTY, ""))
+    result.capabilities = sorted(cap for cap in needs.split(",") if cap)
+
+
+# --- profiles ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Profile:
+    """A set of capabilities whose cases are reported together (see ``harness.hookspecs``)."""
+
+    name: str
+    description: str
+    required: bool
+    capabilities: tuple[str, ...]
+
+    def as_hook_dict(self) -> dict[str, Any]:
+        """The form ``pytest_distconform_conformance_profiles`` returns."""
+        return {
+            "name": self.name,
+            "description": self.description,
+            "required": self.required,
+            "capabilities": list(self.capabilities),
+        }
+
+
+def profiles_from_hook(raw: Any) -> list[Profile]:
+    """The hook's dicts as Profiles; a malformed one is a ValueError naming it."""
+    if raw is None:
+        return []
+    if not isinstance(raw, list):
+        raise ValueError(f"conformance profiles must be a list of dicts, got {raw!r}")
+    profiles = []
+    for entry in raw:
+        name = entry.get("name") if isinstance(entry, dict) else None
+        capabilities = entry.get("capabilities") if isinstance(entry, dict) else None
+        if (
+            not isinstance(name, str)
+            or not name
+            or not isinstance(entry.get("required", False), bool)
+            or not isinstance(capabilities, list)
+            or not all(isinstance(cap, str) for cap in capabilities)
+        ):
+            raise ValueError(
+                f"conformance profile {entry!r}: needs name (str), required (bool) and "
+                f"capabilities (list of str)"
+            )
+        if any(profile.name == name for profile in profiles):
+            raise ValueError(f"conformance profile {name!r} is defined twice")
+        profiles.append(
+            Profile(
+                name,
+                str(entry.get("description", "")),
+                entry.get("required", False),
+                tuple(capabilities),
+            )
+        )
+    return profiles
+
+
+def profiles_of_test(needs: Collection[str], profiles: Sequence[Profile]) -> list[Profile]:
+    """The profiles a test needing ``needs`` counts in: every required profile that covers all
+    of them, else every other profile that lists one of them."""
+    needed = set(needs)
+    covering = [p for p in profiles if p.required and needed <= set(p.capabilities)]
+    if covering:
+        return covering
+    return [p for p in profiles if not p.required and needed & set(p.capabilities)]
+
+
+_NEEDS_CAPABILITY = re.compile(r"needs capabilit(?:y|ies)\s+(.*)$")
+
+
+def _unsupported_needs(result: TestResult, declared: frozenset[str]) -> tuple[str, ...]:
+    missing = tuple(cap for cap in result.capabilities if cap not in declared)
+    if missing:
+        return missing
+    # A suite that skipped at run time for a capability its case row does not list: its reason.
+    found = _NEEDS_CAPABILITY.search(result.reason)
+    if found:
+        return tuple(sorted(cap.strip() for cap in found.group(1).split(",") if cap.strip()))
+    return ("?",)
+
+
+def _plural(count: int, singular: str, plural: str) -> str:
+    return f"{count} {singular if count == 1 else plural}"
+
+
+@dataclass
+class ProfileResult:
+    """One profile's share of a run."""
+
+    profile: Profile
+    tests: list[TestResult]
+    declared: frozenset[str]
+
+    @property
+    def missing_capabilities(self) -> list[str]:
+        """The profile's capabilities the implementation does not declare."""
+        return sorted(set(self.profile.capabilities) - self.declared)
+
+    @property
+    def withheld(self) -> bool:
+        """A required profile not fully declared: any percentage would flatter it."""
+        return self.profile.required and bool(self.missing_capabilities)
+
+    def counts(self) -> Counter:
+        return Counter(result.status for result in self.tests)
+
+    def applied(self) -> int:
+        counts = self.counts()
+        return sum(counts[status] for status in APPLIED_STATUSES)
+
+    def percent(self) -> float | None:
+        return None if self.withheld else conformance_percent(self.counts())
+
+    def unsupported(self) -> list[tuple[tuple[str, ...], list[str]]]:
+        """The UNSUPPORTED tests grouped by the capabilities they lack, largest group first."""
+        grouped: dict[tuple[str, ...], list[str]] = defaultdict(list)
+        for result in self.tests:
+            if result.status == "UNSUPPORTED":
+                grouped[_unsupported_needs(result, self.declared)].append(result.nodeid)
+        return sorted(grouped.items(), key=lambda kv: (-len(kv[1]), kv[0]))
+
+    def to_json(self) -> dict[str, Any]:
+        counts = self.counts()
+        return {
+            "name": self.profile.name,
+            "description": self.profile.description,
+            "required": self.profile.required,
+            "capabilities": list(self.profile.capabilities),
+            "declared": not self.missing_capabilities,
+            "missing_capabilities": self.missing_capabilities,
+            "cases": len(self.tests),
+            "applied": self.applied(),
+            "counts": {status: counts[status] for status in STATUSES},
+            "pass_percent": self.percent(),
+            "unsupported": [
+                {"needs": list(needs), "cases": len(nodeids), "tests": nodeids}
+                for needs, nodeids in self.unsupported()
+            ],
+        }
+
+    def line(self, *, markdown: bool = False) -> str:
+        name = f"**{self.profile.name}**" if markdown else self.profile.name
+        kind = "required" if self.profile.required else "extension"
+        total = len(self.tests)
+        applied = f"{self.applied()} of {_plural(total, 'case', 'cases')} applied"
+        percent = self.percent()
+        if self.withheld:
+            applied += f", no pass rate (does not declare {', '.join(self.missing_capabilities)})"
+        elif percent is not None:
+            applied += f", pass rate {_percent_text(percent)}"
+        parts = [applied]
+        skipped = self.counts()["SKIP"]
+        if skipped:
+            parts.append(f"{skipped} SKIP")
+        groups = [
+            f"{_plural(len(nodeids), 'case needs', 'cases need')} {' + '.join(needs)}"
+            for needs, nodeids in self.unsupported()
+        ]
+        if groups:
+            parts.append(f"UNSUPPORTED: {', '.join(groups)}")
+        return f"{name} ({kind}): {'; '.join(parts)}"
 
 
 def conformance_percent(counts: Counter) -> float | None:
@@ -189,6 +382,57 @@ class ConformanceReport:
     environment: dict[str, Any]
     tests: list[TestResult]
     stale: list[Entry] = field(default_factory=list)
+    profiles: list[Profile] = field(default_factory=list)
+
+    def profile_results(self) -> list[ProfileResult]:
+        """Every required profile, then each other profile with tests; none when no test of
+        this run is tied to a case (a project's own tests)."""
+        cased = [result for result in self.tests if result.case is not None]
+        if not self.profiles or not cased:
+            return []
+        implementation = self.environment.get("implementation") or {}
+        declared = frozenset(implementation.get("capabilities") or ())
+        members: dict[str, list[TestResult]] = {profile.name: [] for profile in self.profiles}
+        for result in cased:
+            for profile in profiles_of_test(result.capabilities, self.profiles):
+                members[profile.name].append(result)
+        required = [p for p in self.profiles if p.required]
+        others = sorted(
+            (p for p in self.profiles if not p.required and members[p.name]),
+            key=lambda p: p.name,
+        )
+        return [ProfileResult(p, members[p.name], declared) for p in [*required, *others]]
+
+    def not_conformant_lines(self, *, markdown: bool = False) -> list[str]:
+        """One verdict per required profile the implementation does not fully declare."""
+        name = (self.environment.get("implementation") or {}).get("name") or "the implementation"
+        lines = []
+        for result in self.profile_results():
+            if result.withheld:
+                verdict = f"NOT CONFORMANT to {result.profile.name}"
+                verdict = f"**{verdict}**" if markdown else verdict
+                lines.append(
+                    f"{verdict}: {name} does not declare "
+                    f"{', '.join(result.missing_capabilities)}, which the profile requires"
+                )
+        return lines
+
+    def headline_lines(self, *, markdown: bool = False) -> list[str]:
+        """The verdicts, then one line per profile; empty without profiles."""
+        results = self.profile_results()
+        if not results:
+            return []
+        # Markdown needs blank lines between paragraphs and before a list.
+        gap = [""] if markdown else []
+        verdicts = self.not_conformant_lines(markdown=markdown)
+        bullet = "- " if markdown else "  "
+        return [
+            *([*verdicts, *gap] if verdicts else []),
+            "profiles (cases applied of those collected from the case table; pass rate over "
+            "the applied ones):",
+            *gap,
+            *(f"{bullet}{result.line(markdown=markdown)}" for result in results),
+        ]
 
     def counts(self) -> Counter:
         return Counter(result.status for result in self.tests)
@@ -226,6 +470,7 @@ class ConformanceReport:
                 }
                 for feature, ws, row in self.rows()
             ],
+            "profiles": [result.to_json() for result in self.profile_results()],
             "tests": [asdict(result) for result in self.tests],
             "stale_expectations": [
                 {"id": e.pattern, "kind": e.kind, "file": str(e.source), "line": e.line}
@@ -296,24 +541,30 @@ class ConformanceReport:
             found = [r for r in self.tests if r.status == status]
             if not found:
                 continue
-            lines.append(f"{status} — {label}:")
+            # A blank line first: CommonMark would continue the previous bullet list.
+            lines += ["", f"{status} — {label}:"]
             for r in found:
                 extra = f" [{r.category}]" if r.category else ""
                 what = r.message or r.reason
                 lines.append(f"- `{r.nodeid}`{extra}: {what}"[:400])
         unsupported = Counter(r.reason for r in self.tests if r.status == "UNSUPPORTED")
         if unsupported:
-            lines.append("UNSUPPORTED:")
+            lines += ["", "UNSUPPORTED:"]
             lines += [f"- {n} x {reason}" for reason, n in unsupported.most_common()]
+        if self.stale:
+            lines.append("")
         for entry in self.stale:
             lines.append(f"stale expectation: {entry.describe()}")
-        return lines
+        return lines[1:] if lines[:1] == [""] else lines
 
     def to_markdown(self) -> str:
         percent = _percent_text(self.percent())
+        headline = self.headline_lines(markdown=True)
         lines = [
             f"# Conformance report: {self.environment.get('implementation', {}).get('name')}",
             "",
+            # "Run:" keeps the run's bullets from joining the profiles' list.
+            *([*headline, "", "Run:", ""] if headline else []),
             *(f"- {line}" for line in self.header_lines()),
             f"- conformance: **{percent}** = (PASS + XPASS) / (PASS + XPASS + FAIL + XFAIL)",
             "",
@@ -325,14 +576,19 @@ class ConformanceReport:
 
     def terminal_lines(self) -> list[str]:
         notable = self.notable_lines()
+        headline = self.headline_lines()
+        not_conformant = [r.profile.name for r in self.profile_results() if r.withheld]
         return [
+            *([*headline, ""] if headline else []),
             *self.header_lines(),
             "",
             *self.table_lines(),
             *(["", *notable] if notable else []),
             "",
             f"conformance {_percent_text(self.percent())} "
-            f"((PASS + XPASS) / (PASS + XPASS + FAIL + XFAIL))",
+            f"((PASS + XPASS) / (PASS + XPASS + FAIL + XFAIL))"
+            # The last line is the one people quote: it must not read as a clean bill.
+            + "".join(f"; NOT CONFORMANT to {name}" for name in not_conformant),
         ]
 
     def write(self, out_dir: Path, junit_path: str | None = None) -> None:

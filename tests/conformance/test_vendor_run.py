@@ -4,6 +4,12 @@ One ``python -m harness conformance`` subprocess runs a small test module agains
 built in a temp dir (``acme_fsdp:implementation``, a ``--backend-plugin`` that registers the
 c10d backend ``acmegloo``, an expectations file); every test below checks one aspect of
 that run's report, so the run is paid for once.
+
+The vendor also ties a few tests of its own to rows of the project's case table (through
+``suites.conftest``'s collection hook) while leaving the core capability ``prefetch``
+undeclared: the report must call it not conformant to ``fsdp2-core`` instead of letting the
+UNSUPPORTED prefetch cases vanish from its percentage. Those tests never start a rank beyond
+the ws-2 pool the others use (the UNSUPPORTED ones are skipped at collection).
 """
 
 from __future__ import annotations
@@ -25,7 +31,10 @@ from impl.reference import ReferenceImplementation
 
 class AcmeFSDP(ReferenceImplementation):
     name = "acme-fsdp"
-    capabilities = frozenset({"gradient_accumulation"})
+    # Every core capability but prefetch.
+    capabilities = frozenset(
+        {"gradient_accumulation", "reshard_after_forward_int", "mixed_precision", "forward_method"}
+    )
 
 
 def implementation():
@@ -92,6 +101,36 @@ def test_tolerance_on_ranks(rank_ctx, conformance_tolerance):
     assert conformance_tolerance.rtol == 0.5 and conformance_tolerance.reason == "loose"
 """
 
+# The suites' collection rules, so that the vendor's own case-tied tests get their skips and
+# user properties exactly as the bundled suites do.
+ACME_CONFTEST = """
+from suites.conftest import pytest_collection_modifyitems, pytest_configure  # noqa: F401
+"""
+
+ACME_CASE_TESTS = """
+from suites.cases import conformance
+
+
+@conformance("fsdp.forward_inputs.no_inputs")  # ws 2, needs nothing: fsdp2-core
+def test_core_case(rank_ctx):
+    assert rank_ctx.world_size == 2
+
+
+@conformance("fsdp.prefetch.explicit")  # ws 2 and 4, needs prefetch: fsdp2-core
+def test_core_case_needing_prefetch(rank_ctx):
+    raise AssertionError("an UNSUPPORTED case must not run")
+
+
+@conformance("fsdp.hsdp.parity")  # ws 4, needs hsdp: the hsdp extension
+def test_hsdp_case(rank_ctx):
+    raise AssertionError("an UNSUPPORTED case must not run")
+
+
+@conformance("fsdp.grad_accum.grid_hsdp")  # ws 4, needs gradient_accumulation and hsdp
+def test_hsdp_accumulation_case(rank_ctx):
+    raise AssertionError("an UNSUPPORTED case must not run")
+"""
+
 EXPECTATIONS = """
 [[xfail]]
 id = "acme_tests/test_acme.py::test_known_difference"
@@ -123,6 +162,8 @@ def vendor_run(tmp_path_factory) -> tuple[subprocess.CompletedProcess, dict, Pat
     (root / "acme_backend.py").write_text(textwrap.dedent(ACME_BACKEND))
     (root / "acme_tests").mkdir()
     (root / "acme_tests" / "test_acme.py").write_text(textwrap.dedent(ACME_TESTS))
+    (root / "acme_tests" / "conftest.py").write_text(textwrap.dedent(ACME_CONFTEST))
+    (root / "acme_tests" / "test_acme_cases.py").write_text(textwrap.dedent(ACME_CASE_TESTS))
     (root / "acme.toml").write_text(EXPECTATIONS)
     (root / "pytest.ini").write_text("[pytest]\n")
     env = dict(os.environ)
@@ -135,7 +176,8 @@ def vendor_run(tmp_path_factory) -> tuple[subprocess.CompletedProcess, dict, Pat
         "--backend-plugin", "acme_backend",
         "--expectations", "acme.toml",
         "--out", "report",
-        "acme_tests/test_acme.py", "-p", "no:cacheprovider", "--dist-peer-grace", "0.5",
+        "acme_tests/test_acme.py", "acme_tests/test_acme_cases.py",
+        "-p", "no:cacheprovider", "--dist-peer-grace", "0.5",
     ]  # fmt: skip
     done = subprocess.run(
         command, cwd=root, env=env, capture_output=True, text=True, timeout=240, check=False
@@ -160,22 +202,29 @@ def test_every_test_gets_its_status(vendor_run):
         "test_cuda_graphs": "SKIP",
         "test_tolerance_in_parent": "PASS",
         "test_tolerance_on_ranks[ws2]": "PASS",
+        "test_core_case[ws2]": "PASS",
+        "test_core_case_needing_prefetch[ws2]": "UNSUPPORTED",
+        "test_core_case_needing_prefetch[ws4]": "UNSUPPORTED",
+        "test_hsdp_case[ws4]": "UNSUPPORTED",
+        "test_hsdp_accumulation_case[ws4]": "UNSUPPORTED",
     }, done.stdout
     assert done.returncode == 1  # the unlisted failure fails the run; XFAIL and XPASS do not
     summary = report["summary"]
     assert summary["counts"] == {
-        "PASS": 3, "FAIL": 1, "XFAIL": 1, "XPASS": 1, "UNSUPPORTED": 1, "SKIP": 1,
+        "PASS": 4, "FAIL": 1, "XFAIL": 1, "XPASS": 1, "UNSUPPORTED": 5, "SKIP": 1,
     }  # fmt: skip
-    assert summary["conformance_percent"] == pytest.approx(100 * 4 / 6)
+    assert summary["conformance_percent"] == pytest.approx(100 * 5 / 7)
 
 
 def test_the_report_names_the_vendor_implementation_and_backend(vendor_run):
     done, report, root = vendor_run
     env = report["environment"]
-    assert (report["schema"], report["schema_version"]) == ("distconform-conformance", 1)
+    assert (report["schema"], report["schema_version"]) == ("distconform-conformance", 2)
     assert env["implementation"]["name"] == "acme-fsdp"
     assert env["implementation"]["spec"] == "acme_fsdp:implementation"
-    assert env["implementation"]["capabilities"] == ["gradient_accumulation"]
+    assert env["implementation"]["capabilities"] == [
+        "forward_method", "gradient_accumulation", "mixed_precision", "reshard_after_forward_int",
+    ]  # fmt: skip
     assert (env["backend"], env["device"], env["launcher"]) == ("acmegloo", "cpu", "process")
     assert env["backend_plugins"] == ["acme_backend"]
     assert env["torch_version"] and env["date"] and env["seed"] == 0
@@ -222,4 +271,45 @@ def test_the_terminal_shows_the_table_per_feature_and_world_size(vendor_run):
         "2": ["2", "0", "1", "1", "0", "0", "75.0 %"],
     }, done.stdout
     total = next(line for line in done.stdout.splitlines() if line.startswith("| **total**"))
-    assert "66.7 %" in total
+    assert "71.4 %" in total  # the case-tied tests of acme_cases included
+
+
+def test_a_missing_core_capability_makes_the_run_not_conformant_to_fsdp2_core(vendor_run):
+    done, report, root = vendor_run
+    verdict = "NOT CONFORMANT to fsdp2-core: acme-fsdp does not declare prefetch"
+    core = (
+        "fsdp2-core (required): 1 of 3 cases applied, no pass rate (does not declare "
+        "prefetch); UNSUPPORTED: 2 cases need prefetch"
+    )
+    hsdp = "hsdp (extension): 0 of 2 cases applied; UNSUPPORTED: 2 cases need hsdp"
+    # The headline opens the terminal summary, before the environment and the table.
+    summary = done.stdout.split("= conformance =", 1)[1].splitlines()[1:]
+    assert summary[0].startswith(verdict), done.stdout
+    assert summary[2:4] == [f"  {core}", f"  {hsdp}"], done.stdout
+    last = next(line for line in reversed(summary) if line.startswith("conformance "))
+    assert last.endswith("; NOT CONFORMANT to fsdp2-core"), done.stdout
+    markdown = (root / "report" / "conformance.md").read_text().splitlines()
+    assert markdown[2].startswith(f"**{verdict.replace(':', '**:', 1)}"), markdown[:8]
+    assert f"- {core.replace('fsdp2-core', '**fsdp2-core**', 1)}" in markdown
+    profiles = {profile["name"]: profile for profile in report["profiles"]}
+    assert list(profiles) == ["fsdp2-core", "hsdp"]  # tests outside the case table: in none
+    assert profiles["fsdp2-core"]["missing_capabilities"] == ["prefetch"]
+    assert profiles["fsdp2-core"]["pass_percent"] is None
+    assert (profiles["fsdp2-core"]["cases"], profiles["fsdp2-core"]["applied"]) == (3, 1)
+    assert profiles["hsdp"]["unsupported"] == [
+        {
+            "needs": ["hsdp"],
+            "cases": 2,
+            "tests": [
+                "acme_tests/test_acme_cases.py::test_hsdp_case[ws4]",
+                "acme_tests/test_acme_cases.py::test_hsdp_accumulation_case[ws4]",
+            ],
+        }
+    ]
+    by_name = {test["nodeid"].split("::")[1]: test for test in report["tests"]}
+    assert by_name["test_hsdp_accumulation_case[ws4]"]["case"] == "fsdp.grad_accum.grid_hsdp"
+    assert by_name["test_hsdp_accumulation_case[ws4]"]["capabilities"] == [
+        "gradient_accumulation",
+        "hsdp",
+    ]
+    assert by_name["test_needs_hsdp"]["case"] is None

@@ -48,6 +48,7 @@ class StandInItem:
         self.callspec = SimpleNamespace(id=full_id, params={WORLD_SIZE_PARAM: world_size})
         # The case marker as apply_case_table reads it (name and args), unregistered here.
         self.marks = [SimpleNamespace(name=CASE_MARKER, args=(case_id,), kwargs={})]
+        self.user_properties: list[tuple[str, object]] = []
 
     def get_closest_marker(self, name: str):
         return next((mark for mark in self.marks if mark.name == name), None)

@@ -1,0 +1,169 @@
+"""An implementation that does not declare a capability refuses it clearly (§5.1).
+
+Leaving a capability undeclared keeps its cases out of the pass rate (they are UNSUPPORTED),
+so it must not be a way to hide a broken feature: used anyway, the feature must raise an
+error that names it, at the call or at the latest in the first forward/backward. Silently
+accepting it, or failing with an unrelated error, fails the case. Items exist only for the
+capabilities the implementation leaves undeclared (``only_undeclared`` in the case table).
+
+Capabilities that are compositions with another torch feature rather than an entry point
+of the implementation (``pp``, ``dcp``, ``activation_checkpointing``) have no probe: there is
+no call of the implementation's own to refuse.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+from torch import nn
+from torch.distributed.tensor import Shard, distribute_tensor
+
+from suites.cases import conformance, grid
+
+Probe = Callable[[object, object, nn.Module], None]
+
+
+def two_linears(device: torch.device) -> nn.Module:
+    with torch.device(device):
+        return nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8))
+
+
+def train_once(model: nn.Module, device: torch.device) -> None:
+    model(torch.randn(2, 8, device=device)).sum().backward()
+
+
+def probe_replicate(rank_ctx, impl, model: nn.Module) -> None:
+    impl.replicate(model)
+    train_once(model, rank_ctx.device)
+
+
+def probe_shard_placement_fn(rank_ctx, impl, model: nn.Module) -> None:
+    impl.fully_shard(model, shard_placement_fn=lambda param: Shard(param.ndim - 1))
+    train_once(model, rank_ctx.device)
+
+
+def probe_reshard_after_forward_int(rank_ctx, impl, model: nn.Module) -> None:
+    impl.fully_shard(model[0], reshard_after_forward=2)
+    impl.fully_shard(model)
+    train_once(model, rank_ctx.device)
+
+
+def probe_gradient_accumulation(rank_ctx, impl, model: nn.Module) -> None:
+    impl.fully_shard(model)
+    model.set_requires_gradient_sync(False)
+    train_once(model, rank_ctx.device)
+
+
+def probe_async_unshard(rank_ctx, impl, model: nn.Module) -> None:
+    impl.fully_shard(model)
+    handle = model.unshard(async_op=True)
+    if handle is not None:
+        handle.wait()
+    train_once(model, rank_ctx.device)
+
+
+def probe_forward_method(rank_ctx, impl, model: nn.Module) -> None:
+    impl.fully_shard(model[0])
+    impl.fully_shard(model)
+    impl.register_fsdp_forward_method(model[0], "forward")
+    train_once(model, rank_ctx.device)
+
+
+def probe_hsdp(rank_ctx, impl, model: nn.Module) -> None:
+    mesh = rank_ctx.mesh((2, rank_ctx.world_size // 2), ("replicate", "shard"))
+    impl.fully_shard(model, mesh=mesh)
+    train_once(model, rank_ctx.device)
+
+
+def probe_mixed_precision(rank_ctx, impl, model: nn.Module) -> None:
+    impl.fully_shard(model, mp_policy=impl.MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+    train_once(model, rank_ctx.device)
+
+
+def probe_cpu_offload(rank_ctx, impl, model: nn.Module) -> None:
+    impl.fully_shard(model, offload_policy=impl.CPUOffloadPolicy(pin_memory=False))
+    train_once(model, rank_ctx.device)
+
+
+def probe_prefetch(rank_ctx, impl, model: nn.Module) -> None:
+    impl.fully_shard(model[2])
+    impl.fully_shard(model[0])
+    impl.fully_shard(model)
+    model[0].set_modules_to_forward_prefetch([model[2]])
+    model[2].set_modules_to_backward_prefetch([model[0]])
+    train_once(model, rank_ctx.device)
+
+
+def probe_post_optim_event(rank_ctx, impl, model: nn.Module) -> None:
+    impl.fully_shard(model)
+    train_once(model, rank_ctx.device)
+    model.set_post_optim_event(torch.accelerator.current_stream().record_event())
+    train_once(model, rank_ctx.device)
+
+
+def probe_share_comm_ctx(rank_ctx, impl, model: nn.Module) -> None:
+    impl.fully_shard(model[0])
+    impl.fully_shard(model[2])
+    impl.share_comm_ctx([model[0], model[2]])
+    train_once(model, rank_ctx.device)
+
+
+def probe_tp(rank_ctx, impl, model: nn.Module) -> None:
+    mesh = rank_ctx.mesh((1, rank_ctx.world_size), ("dp", "tp"))
+    linear = model[0]
+    linear.weight = nn.Parameter(distribute_tensor(linear.weight.detach(), mesh["tp"], [Shard(0)]))
+    impl.fully_shard(model, mesh=mesh["dp"])
+    train_once(model, rank_ctx.device)
+
+
+def probe_ignored_params(rank_ctx, impl, model: nn.Module) -> None:
+    impl.fully_shard(model, ignored_params={model[2].weight})
+    train_once(model, rank_ctx.device)
+
+
+#: capability -> (how to use it, words one of which the error must contain, lower case)
+PROBES: dict[str, tuple[Probe, tuple[str, ...]]] = {
+    "replicate": (probe_replicate, ("replicate",)),
+    "shard_placement_fn": (probe_shard_placement_fn, ("shard_placement_fn", "placement")),
+    "reshard_after_forward_int": (probe_reshard_after_forward_int, ("reshard_after_forward",)),
+    "gradient_accumulation": (
+        probe_gradient_accumulation,
+        ("gradient_sync", "gradient sync", "gradient_accumulation", "accumulation"),
+    ),
+    "async_unshard": (probe_async_unshard, ("async",)),
+    "forward_method": (probe_forward_method, ("forward_method", "forward method")),
+    "hsdp": (probe_hsdp, ("hsdp", "2-d", "2d", "mesh")),
+    "mixed_precision": (
+        probe_mixed_precision,
+        ("mixed precision", "mixed_precision", "mixedprecisionpolicy", "param_dtype"),
+    ),
+    "cpu_offload": (probe_cpu_offload, ("offload",)),
+    "prefetch": (probe_prefetch, ("prefetch",)),
+    "post_optim_event": (probe_post_optim_event, ("post_optim_event", "post-optim", "event")),
+    "share_comm_ctx": (probe_share_comm_ctx, ("share_comm_ctx", "comm ctx", "comm_ctx")),
+    "tp": (probe_tp, ("tensor parallel", "dtensor", "tp")),
+    "ignored_params": (probe_ignored_params, ("ignored_params", "ignored")),
+}
+
+
+@conformance("refusal.undeclared_capability")
+@pytest.mark.parametrize("point", grid(capability=sorted(PROBES)))
+def test_undeclared_capability_is_refused(rank_ctx, impl, point):
+    capability = point["capability"]
+    probe, words = PROBES[capability]
+    model = two_linears(rank_ctx.device)
+    try:
+        probe(rank_ctx, impl, model)
+    except Exception as error:  # any error type will do; its words must name the feature
+        text = f"{type(error).__name__}: {error}"
+        assert any(word in text.lower() for word in words), (
+            f"{impl.name} does not declare {capability!r} and refused it, but the error does "
+            f"not name the feature (expected one of {list(words)}): {text}"
+        )
+        return
+    raise AssertionError(
+        f"{impl.name} does not declare the capability {capability!r} yet accepted it "
+        f"silently: either declare it (and pass its cases) or raise an error naming it"
+    )
