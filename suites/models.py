@@ -192,3 +192,33 @@ class ChunkedHeadModel(nn.Module):
     def forward(self, tokens: torch.Tensor, *, skip_head: bool = False) -> torch.Tensor:
         h = self.norm(self.body(self.embed(tokens)))
         return h if skip_head else self.head(h)
+
+
+class WidthBlock(nn.Module):
+    """``relu(linear(x))``: a block with one computation child, so hooks can tell the
+    block's entry from the start of its computation."""
+
+    def __init__(self, in_dim: int, out_dim: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(in_dim, out_dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.relu(self.linear(x))
+
+
+class WidthStack(nn.Module):
+    """Blocks of growing widths (4 -> 5 -> 6 ...) and a head: every block has its own
+    parameter count, padded or not, so a collective's size names the block it belongs to
+    (for checks of prefetch order)."""
+
+    def __init__(self, n_blocks: int = 6, first_width: int = 4, out_dim: int = 3) -> None:
+        super().__init__()
+        widths = range(first_width, first_width + n_blocks + 1)
+        self.in_dim = first_width
+        self.layers = nn.ModuleList(WidthBlock(w, w + 1) for w in widths[:-1])
+        self.head = nn.Linear(widths[-1], out_dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)

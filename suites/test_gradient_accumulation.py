@@ -4,8 +4,9 @@
 first Linear (4 groups). 5 iterations of 3 microbatches; before each microbatch the flags
 are set (``last`` on the third): gradient sync (or, with ``rso``, only the HSDP all-reduce),
 and, without ``rab``, reshard-after-backward. Counts are summed over an iteration's
-microbatches and must equal the catalogue's formulas; gradients equal the accumulated,
-averaged reference after each iteration.
+microbatches and must equal the catalogue's formulas; every microbatch's collectives must be
+FSDP2's schedule for the flags then in force (``suites/schedule``); gradients equal the
+accumulated, averaged reference after each iteration.
 
 The replicate variant was vacuous upstream (every subtest returned early, cases.md §3.7);
 here it checks what it meant: only all-reduces, 4 / 8 / 10 per iteration.
@@ -21,6 +22,7 @@ from torch import nn
 
 from suites.cases import conformance
 from suites.models import MLP
+from suites.schedule import ShardingPlan
 from suites.training import Expected, accumulate_with_parity
 
 MICROBATCHES = 3
@@ -68,26 +70,28 @@ def expected_counts(raf, mode: str, rab: bool, rso: bool, hsdp: bool) -> Expecte
     return Expected(all_gather=all_gather, reduce_scatter=reduce_scatter, all_reduce=all_reduce)
 
 
-def set_flags(model: nn.Module, mode: str, rab: bool, rso: bool, last: bool) -> None:
+def set_flags(
+    plan: ShardingPlan, model: nn.Module, mode: str, rab: bool, rso: bool, last: bool
+) -> None:
     def sync(module: nn.Module, recurse: bool = True) -> None:
         if rso:
-            module.set_requires_all_reduce(last, recurse=recurse)
+            plan.controls(module).set_requires_all_reduce(last, recurse=recurse)
         else:
-            module.set_requires_gradient_sync(last, recurse=recurse)
+            plan.controls(module).set_requires_gradient_sync(last, recurse=recurse)
 
     if mode == "all":
         sync(model)
         if not rab:
-            model.set_reshard_after_backward(last)
+            plan.controls(model).set_reshard_after_backward(last)
     elif mode == "some_mlps":
         for mlp in model[1:3]:
             sync(mlp)
             if not rab:
-                mlp.set_reshard_after_backward(last)
+                plan.controls(mlp).set_reshard_after_backward(last)
     else:
         sync(model, recurse=False)
         if not rab:
-            model.set_reshard_after_backward(last, recurse=False)
+            plan.controls(model).set_reshard_after_backward(last, recurse=False)
 
 
 def offload_policy(impl, offload: str):
@@ -96,7 +100,7 @@ def offload_policy(impl, offload: str):
     return impl.CPUOffloadPolicy(pin_memory=offload == "cpu_pinned")
 
 
-def run_accumulation(rank_ctx, manage, point: dict, expected: Expected) -> None:
+def run_accumulation(rank_ctx, plan: ShardingPlan, manage, point: dict, expected: Expected) -> None:
     torch.manual_seed(42)
     model = nn.Sequential(nn.Linear(32, 32), MLP(32), MLP(32), MLP(32))
     reference = copy.deepcopy(model)
@@ -115,9 +119,10 @@ def run_accumulation(rank_ctx, manage, point: dict, expected: Expected) -> None:
         microbatches=MICROBATCHES,
         make_input=lambda: torch.randn(2, 32),
         before_microbatch=lambda last: set_flags(
-            model, point["mode"], point["rab"], point.get("rso", False), last
+            plan, model, point["mode"], point["rab"], point.get("rso", False), last
         ),
         expected=expected,
+        schedule=plan,
         # cases.md §2.9: odd iterations set gradients to None.
         set_to_none=lambda iteration: iteration % 2 == 1,
     )
@@ -130,8 +135,10 @@ def run_fsdp_accumulation(rank_ctx, impl, point: dict) -> None:
     else:
         mesh = rank_ctx.mesh((rank_ctx.world_size,))
 
+    plan = ShardingPlan(impl, mesh=mesh)
+
     def manage(module: nn.Module) -> None:
-        impl.fully_shard(
+        plan.fully_shard(
             module,
             mesh=mesh,
             reshard_after_forward=point["raf"],
@@ -139,7 +146,7 @@ def run_fsdp_accumulation(rank_ctx, impl, point: dict) -> None:
         )
 
     expected = expected_counts(point["raf"], point["mode"], point["rab"], point["rso"], hsdp)
-    run_accumulation(rank_ctx, manage, point, expected)
+    run_accumulation(rank_ctx, plan, manage, point, expected)
 
 
 @conformance("fsdp.grad_accum.grid")
@@ -169,9 +176,10 @@ REPLICATE_GRID = [
 @pytest.mark.parametrize("point", REPLICATE_GRID)
 def test_replicate_gradient_accumulation(rank_ctx, impl, point):
     mesh = rank_ctx.mesh((rank_ctx.world_size,), ("replicate",))
+    plan = ShardingPlan(impl, mesh=mesh)
 
     def manage(module: nn.Module) -> None:
-        impl.replicate(module, mesh=mesh, offload_policy=offload_policy(impl, point["offload"]))
+        plan.replicate(module, mesh=mesh, offload_policy=offload_policy(impl, point["offload"]))
 
     all_reduce = {"all": 4, "some_mlps": 4 + 2 * 2, "root_only": 4 + 3 * 2}[point["mode"]]
-    run_accumulation(rank_ctx, manage, point, Expected(all_reduce=all_reduce))
+    run_accumulation(rank_ctx, plan, manage, point, Expected(all_reduce=all_reduce))

@@ -4,7 +4,9 @@ Every block and the root keep parameters after forward; over 3 microbatches grad
 ``set_is_last_backward`` and (without ``rab``) reshard-after-backward are on only for the
 last one; optionally every module is unsharded ahead of time with ``unshard(async_op=True)``
 and the handles dropped (forward must wait for them). Gradients after the accumulation and
-parameters after the step equal the reference's.
+parameters after the step equal the reference's, and each microbatch's collectives are
+FSDP2's schedule for its flags (``suites/schedule``): the first gathers every group, the
+next ones gather nothing while the groups are held, only the last reduces.
 """
 
 from __future__ import annotations
@@ -13,38 +15,40 @@ import copy
 
 import pytest
 import torch
-from torch import nn
 
 from harness.parity import assert_losses_equal, assert_sharded_parity, average_gradients
 from suites.cases import conformance, grid
 from suites.models import ModelArgs, Transformer
+from suites.schedule import ScheduleRecorder, ShardingPlan
 from suites.training import adamw, blocks
 
 MICROBATCHES = 3
 
 
-def run_microbatching(rank_ctx, impl, manage, point: dict) -> None:
+def run_microbatching(rank_ctx, impl, manage: str, point: dict, **kwargs) -> None:
     model = Transformer(ModelArgs(dropout_p=0.0))
     reference = copy.deepcopy(model)
-    for block in blocks(model):
-        manage(block)
-    manage(model)
+    plan = ShardingPlan(impl)
+    for block in [*blocks(model), model]:
+        getattr(plan, manage)(block, **kwargs)
+    recorder = ScheduleRecorder(plan, model)
     optimizer, ref_optimizer = adamw(model.parameters()), adamw(reference.parameters())
     torch.manual_seed(42 + rank_ctx.rank + 1)
     inputs = [torch.randint(0, 8, (2, 16)) for _ in range(MICROBATCHES)]
     losses, ref_losses = [], []
+    controls = plan.controls(model)
     for index, inp in enumerate(inputs):
         last = index == MICROBATCHES - 1
-        if point["explicit_unshard"]:
-            for module in model.modules():
-                if impl.is_managed(module):
-                    module.unshard(async_op=True)
-        model.set_requires_gradient_sync(last)
-        model.set_is_last_backward(last)
-        if not point["rab"]:
-            model.set_reshard_after_backward(last)
-        loss = model(inp).sum()
-        loss.backward()
+        with recorder.step(f"microbatch {index}"):
+            if point["explicit_unshard"]:
+                for group in plan.groups:
+                    plan.controls(group.modules[0]).unshard(async_op=True)
+            controls.set_requires_gradient_sync(last)
+            model.set_is_last_backward(last)
+            if not point["rab"]:
+                controls.set_reshard_after_backward(last)
+            loss = model(inp).sum()
+            loss.backward()
         losses.append(loss.detach())
         ref_loss = reference(inp).sum()
         ref_loss.backward()
@@ -64,13 +68,10 @@ MICROBATCH_GRID = grid(explicit_unshard=[False, True], rab=[False, True])
 @conformance("fsdp.microbatching.1f1b")
 @pytest.mark.parametrize("point", MICROBATCH_GRID)
 def test_1f1b_microbatching(rank_ctx, impl, point):
-    def manage(module: nn.Module) -> None:
-        impl.fully_shard(module, reshard_after_forward=False)
-
-    run_microbatching(rank_ctx, impl, manage, point)
+    run_microbatching(rank_ctx, impl, "fully_shard", point, reshard_after_forward=False)
 
 
 @conformance("replicate.microbatching.1f1b")
 @pytest.mark.parametrize("point", MICROBATCH_GRID)
 def test_replicate_1f1b_microbatching(rank_ctx, impl, point):
-    run_microbatching(rank_ctx, impl, impl.replicate, point)
+    run_microbatching(rank_ctx, impl, "replicate", point)

@@ -10,6 +10,7 @@ from torch.distributed.tensor import Shard
 
 from suites.cases import conformance
 from suites.models import MLP, ModelArgs, Transformer
+from suites.schedule import ShardingPlan
 from suites.training import adamw, full_tensors, train_with_parity
 
 
@@ -20,11 +21,12 @@ def shard_largest_dim(param: nn.Parameter) -> Shard:
 @conformance("fsdp.shard_placement.largest_dim")
 def test_train_parity_shard_placement_fn_shard_largest_dim(rank_ctx, impl):
     model = Transformer(ModelArgs(n_layers=3, dropout_p=0.0))
+    plan = ShardingPlan(impl)
 
     def distribute(m: nn.Module) -> None:
         for layer in m.layers:
-            impl.fully_shard(layer, shard_placement_fn=shard_largest_dim)
-        impl.fully_shard(m, shard_placement_fn=shard_largest_dim)
+            plan.fully_shard(layer, shard_placement_fn=shard_largest_dim)
+        plan.fully_shard(m, shard_placement_fn=shard_largest_dim)
         placements = {p.placements for p in m.parameters()}
         assert placements == {(Shard(0),), (Shard(1),)}, f"placements {placements}"
         for p in m.parameters():
@@ -35,6 +37,7 @@ def test_train_parity_shard_placement_fn_shard_largest_dim(rank_ctx, impl):
         model,
         distribute,
         lambda: torch.randint(0, 8, (2, 16)),
+        schedule=plan,
         steps=5,
         make_optimizer=adamw,
         seed_offset=0,

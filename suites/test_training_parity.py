@@ -2,7 +2,9 @@
 
 Every case trains 10 Adam steps next to a plain copy with explicit gradient averaging, on
 different data per rank (seed ``42 + rank + 1``): losses every step, parameters and
-gradients shard by shard every step, and the collectives of every forward+backward.
+gradients shard by shard every step, and every step's collectives against FSDP2's schedule
+for the sharding plan (``suites/schedule``: kind, ranks, dtype, elements per rank, and where
+each is issued relative to the modules' forward and backward).
 Unlike the replicate upstream tests, the optimizer steps before ``zero_grad`` (the upstream
 order made every step a no-op, cases.md §3), and parameters are compared after each step.
 
@@ -19,9 +21,9 @@ from torch import nn
 from torch.distributed.tensor import Shard
 
 from suites.cases import conformance, grid
+from suites.schedule import ShardingPlan
 from suites.training import (
     SUMMED_LOGITS_GRAD_TOLERANCE,
-    Expected,
     blocks,
     collective_delays,
     delay_id,
@@ -49,32 +51,40 @@ def shard_largest_dim(param: nn.Parameter) -> Shard:
     return Shard(param.shape.index(max(param.shape)))
 
 
-def run_single_group(rank_ctx, distribute, label: str, expected: Expected) -> None:
+def run_single_group(
+    rank_ctx, impl, label: str, *, replicate: bool = False, placement_fn=None
+) -> None:
     in_dim = (LIN_SHAPES.get(label) or [(32, 16)])[0][0]
     inp = torch.randn(4, in_dim)  # the upstream input is fixed across steps
-    train_with_parity(rank_ctx.rank, two_linears(label), distribute, lambda: inp, expected=expected)
+    plan = ShardingPlan(impl)
+
+    def distribute(model: nn.Module) -> None:
+        if replicate:
+            plan.replicate(model)
+            return
+        plan.fully_shard(model, shard_placement_fn=placement_fn)
+        if placement_fn is not None:
+            placements = {p.placements for p in model.parameters()}
+            assert (Shard(1),) in placements, f"no parameter sharded on dim 1: {placements}"
+
+    train_with_parity(rank_ctx.rank, two_linears(label), distribute, lambda: inp, schedule=plan)
 
 
 @conformance("fsdp.parity.single_group")
 @pytest.mark.parametrize("point", grid(lin_shapes=list(LIN_SHAPES)))
 def test_train_parity_single_group_shard_dim0(rank_ctx, impl, point):
-    run_single_group(rank_ctx, impl.fully_shard, point["lin_shapes"], Expected.sharded(1, 0))
+    run_single_group(rank_ctx, impl, point["lin_shapes"])
 
 
 @conformance("fsdp.parity.single_group_largest_dim")
 def test_train_parity_single_group_shard_largest_dim(rank_ctx, impl):
-    def distribute(model: nn.Module) -> None:
-        impl.fully_shard(model, shard_placement_fn=shard_largest_dim)
-        placements = {p.placements for p in model.parameters()}
-        assert (Shard(1),) in placements, f"no parameter sharded on dim 1: {placements}"
-
-    run_single_group(rank_ctx, distribute, "32x16_16x8", Expected.sharded(1, 0))
+    run_single_group(rank_ctx, impl, "32x16_16x8", placement_fn=shard_largest_dim)
 
 
 @conformance("replicate.parity.single_group")
 @pytest.mark.parametrize("point", grid(lin_shapes=list(LIN_SHAPES)))
 def test_replicate_train_parity_single_group(rank_ctx, impl, point):
-    run_single_group(rank_ctx, impl.replicate, point["lin_shapes"], Expected(all_reduce=1))
+    run_single_group(rank_ctx, impl, point["lin_shapes"], replicate=True)
 
 
 def run_multi_group(
@@ -89,19 +99,15 @@ def run_multi_group(
 ) -> None:
     n_layers = 3
     model = transformer(n_layers)
-    if replicate:
-        mesh = rank_ctx.mesh((rank_ctx.world_size,), ("replicate",))
-        expected = Expected(all_reduce=n_layers + 1)
-    else:
-        mesh = rank_ctx.mesh((rank_ctx.world_size,))
-        expected = Expected.sharded(n_layers + 1, 0 if raf is False else n_layers + 1)
+    mesh = rank_ctx.mesh((rank_ctx.world_size,), ("replicate",) if replicate else None)
+    plan = ShardingPlan(impl, mesh=mesh)
 
     def distribute(m: nn.Module) -> None:
         for module in [*blocks(m), m]:
             if replicate:
-                impl.replicate(module, mesh=mesh, offload_policy=offload_policy)
+                plan.replicate(module, mesh=mesh, offload_policy=offload_policy)
             else:
-                impl.fully_shard(
+                plan.fully_shard(
                     module, mesh=mesh, reshard_after_forward=raf, offload_policy=offload_policy
                 )
             if unshard_async:
@@ -112,7 +118,7 @@ def run_multi_group(
         model,
         distribute,
         transformer_tokens,
-        expected=expected,
+        schedule=plan,
         model_context=collective_delays(delays, replicate=replicate),
         after_forward=host_delay("after_forward" in delays),
         before_step=host_delay("before_optim" in delays),

@@ -1,4 +1,7 @@
-"""At world size 1 sharding is the identity and issues no collective at all (§2.15)."""
+"""At world size 1 sharding is the identity and issues no collective at all (§2.15).
+
+The schedule oracle expects nothing on the wire for a one-rank plan, so any collective
+fails the step."""
 
 from __future__ import annotations
 
@@ -6,18 +9,20 @@ import pytest
 import torch
 
 from suites.cases import conformance, grid
+from suites.schedule import ShardingPlan
 from suites.test_training_parity import LIN_SHAPES, two_linears
-from suites.training import Expected, train_with_parity
+from suites.training import train_with_parity
 
 
 @conformance("fsdp.world_size_1")
 @pytest.mark.parametrize("point", grid(lin_shapes=list(LIN_SHAPES)))
 def test_train_parity_single_worldsize1(rank_ctx, impl, point):
     label = point["lin_shapes"]
+    plan = ShardingPlan(impl)
     train_with_parity(
         rank_ctx.rank,
         two_linears(label),
-        impl.fully_shard,
+        plan.fully_shard,
         lambda: torch.randn(4, LIN_SHAPES[label][0][0]),
-        expected=Expected(),
+        schedule=plan,
     )

@@ -25,6 +25,7 @@ from harness.parity import (
     average_gradients,
 )
 from suites.models import ModelArgs, Transformer, TransformerBlock
+from suites.schedule import ScheduleRecorder, ShardingPlan
 
 STEPS = 10
 #: Injected delays: long enough that an unsynchronised consumer of a collective's result
@@ -87,6 +88,13 @@ def counting() -> Iterator[CommTracer]:
         yield trace
 
 
+def _recorded(
+    recorder: ScheduleRecorder | None, context: str
+) -> contextlib.AbstractContextManager[CommTracer]:
+    """A step checked against the schedule oracle, or only traced without a plan."""
+    return recorder.step(context) if recorder is not None else counting()
+
+
 def assert_counts(trace: CommTracer, expected: Expected, context: str) -> None:
     actual = {kind: n for kind, n in trace.counts("kind").items() if n}
     assert actual == expected.as_counts(), (
@@ -105,20 +113,25 @@ def accumulate_with_parity(
     before_microbatch: Callable[[bool], None],
     expected: Expected,
     set_to_none: Callable[[int], bool],
+    schedule: ShardingPlan | None = None,
 ) -> None:
     """Microbatched accumulation against a plain ``reference``, checked every iteration.
 
-    ``before_microbatch(last)`` sets the implementation's flags. Losses must match per
-    microbatch; the collectives summed over an iteration's microbatches must equal
-    ``expected``; the reference's accumulated gradients, averaged over ranks, must match the
-    sharded ones before the step, and the parameters after it.
+    ``before_microbatch(last)`` sets the implementation's flags (through the plan's
+    controls when there is a ``schedule``). Losses must match per microbatch; the collectives
+    summed over an iteration's microbatches must equal ``expected``, and with a ``schedule``
+    every microbatch's collectives must be FSDP2's for the plan; the reference's accumulated
+    gradients, averaged over ranks, must match the sharded ones before the step, and the
+    parameters after it.
     """
+    recorder = ScheduleRecorder(schedule, model) if schedule is not None else None
     for iteration in range(iterations):
         counts: Counter[str] = Counter()
         for microbatch in range(microbatches):
             before_microbatch(microbatch == microbatches - 1)
             inp = make_input()
-            with counting() as trace:
+            context = f"iteration {iteration}, microbatch {microbatch}"
+            with _recorded(recorder, context) as trace:
                 loss = model(inp).sum()
                 loss.backward()
             counts.update(trace.counts("kind"))
@@ -158,18 +171,21 @@ def train_with_parity(
     seed_offset: int = 1,
     reference_group=None,
     model_context: Callable[[], contextlib.AbstractContextManager] | None = None,
+    schedule: ShardingPlan | None = None,
 ) -> None:
     """Train ``model`` (distributed by ``distribute``) next to an explicitly averaged copy.
 
     Losses are compared every step; parameters and gradients are compared shard by shard
     every step before ``step()`` and after it; collective counts per forward+backward when
-    ``expected`` is given. ``model_context`` wraps the distributed model's forward and
-    backward only (delay injection must not slow the reference's own all-reduces). The
-    reference is copied before ``distribute`` runs, so structural wrappers that
-    ``distribute`` adds show up in ``prefixes_to_ignore``.
+    ``expected`` is given, and every step's collectives against FSDP2's schedule when
+    ``distribute`` shards through the ``schedule`` plan. ``model_context`` wraps the
+    distributed model's forward and backward only (delay injection must not slow the
+    reference's own all-reduces). The reference is copied before ``distribute`` runs, so
+    structural wrappers that ``distribute`` adds show up in ``prefixes_to_ignore``.
     """
     reference = ReferenceModel(model, make_optimizer, group=reference_group)
     distribute(model)
+    recorder = ScheduleRecorder(schedule, model) if schedule is not None else None
     optimizer = make_optimizer(model.parameters())
     assert_sharded_parity(
         reference.module, model, check_grads=False, prefixes_to_ignore=prefixes_to_ignore
@@ -178,7 +194,10 @@ def train_with_parity(
     grad_rtol, grad_atol = grad_tolerance or (None, None)
     for step in range(steps):
         inp = make_input()
-        with counting() as trace, (model_context or contextlib.nullcontext)():
+        with (
+            _recorded(recorder, f"step {step}") as trace,
+            (model_context or contextlib.nullcontext)(),
+        ):
             loss = loss_fn(model, inp)
             if after_forward is not None:
                 after_forward()

@@ -1,19 +1,42 @@
-"""Deliberately broken implementations: each suite module must fail on at least one.
+"""Deliberately broken implementations: every suite check must fail on at least one.
 
 Each wraps a working implementation (the reference by default; the ``*_torch`` factories
-wrap torch's, for suites whose capability the reference does not declare) and breaks one
-behaviour through the public surface only, so the breakage survives changes inside the
-reference:
+wrap torch's ``fully_shard``, the way realistic bugs would sit in it) and breaks one
+behaviour through the public surface only (the arguments passed on, the managed module's
+methods), so the breakage survives changes inside the implementations:
 
+numerics
 * ``skip_grad_average``: gradients come out summed over the ranks, not averaged (every
   reduce-scatter's input is multiplied by its group's size);
 * ``ignore_gradient_sync``: ``set_requires_gradient_sync`` does nothing (every backward
   reduces);
+* ``ignore_divide_factor``: ``set_gradient_divide_factor`` does nothing;
+
+structure
 * ``never_reshard``: parameters stay unsharded after forward and backward, and ``reshard()``
   does nothing;
 * ``drop_hsdp_all_reduce``: the all-reduce across HSDP replicas is never issued;
 * ``always_communicate``: every managed module's forward issues an extra all-reduce, even at
-  world size 1.
+  world size 1;
+* ``ignore_ignored_params``: ``ignored_params`` is dropped, so those parameters are sharded,
+  gathered and reduced like the rest;
+
+the wire (numerics unchanged)
+* ``ignore_forward_prefetch`` / ``ignore_backward_prefetch``: the explicit prefetch lists are
+  dropped;
+* ``reverse_backward_prefetch``: the backward prefetch list is issued back to front;
+* ``no_implicit_prefetch``: each module's backward prefetch list is set to itself, which
+  turns implicit backward prefetching off;
+* ``int_reshard_as_true``: an int ``reshard_after_forward`` is passed on as ``True`` (the
+  backward all-gather runs over the whole shard group);
+* ``ignore_reduce_dtype``: ``MixedPrecisionPolicy.reduce_dtype`` is dropped (gradients are
+  reduced in ``param_dtype``);
+* ``blocking_async_unshard``: ``unshard(async_op=True)`` unshards synchronously and returns a
+  handle with nothing left to wait for;
+* ``forward_method_once``: a registered forward method gets the hooks on its first call only;
+
+and ``hidden_broken_gradient_sync``: ``ignore_gradient_sync`` with ``gradient_accumulation``
+left undeclared (the way to earn 100 % that profiles and refusal probes close).
 
 Load one with ``--impl tests.suites.broken:skip_grad_average``. The patch of
 ``torch.distributed.reduce_scatter_single`` (``skip_grad_average``) is installed in the
@@ -58,7 +81,8 @@ def _install_summing_reduce_scatter() -> None:
 
 
 def _extra_all_reduce(module: nn.Module, args: Any) -> None:
-    dist.all_reduce(torch.zeros(1))
+    device = next((p.device for p in module.parameters()), torch.device("cpu"))
+    dist.all_reduce(torch.zeros(1, device=device))
 
 
 def _drop_all_reduce(module: nn.Module) -> None:
@@ -74,48 +98,119 @@ def _drop_all_reduce(module: nn.Module) -> None:
     module.set_requires_all_reduce = _noop
 
 
+def _never_reshard(module: nn.Module) -> None:
+    module.set_reshard_after_backward(False, recurse=False)
+    module.set_reshard_after_forward(False, recurse=False)
+    module.reshard = _noop
+    module.set_reshard_after_backward = _noop
+    module.set_reshard_after_forward = _noop
+
+
+def _reverse_backward_prefetch(module: nn.Module) -> None:
+    original = module.set_modules_to_backward_prefetch
+    module.set_modules_to_backward_prefetch = lambda modules: original(list(modules)[::-1])
+
+
+def _blocking_async_unshard(module: nn.Module) -> None:
+    original = module.unshard
+
+    class Done:
+        def wait(self) -> None:
+            return None
+
+    def unshard(async_op: bool = False) -> Any:
+        original(async_op=False)
+        return Done() if async_op else None
+
+    module.unshard = unshard
+
+
+# Each breakage: how it changes fully_shard's keyword arguments, and what it does to the
+# managed module afterwards.
+_KWARGS: dict[str, Callable[[Any, dict[str, Any]], dict[str, Any]]] = {
+    "int_reshard_as_true": lambda impl, kw: {
+        **kw,
+        "reshard_after_forward": True
+        if isinstance(kw.get("reshard_after_forward"), int)
+        and not isinstance(kw.get("reshard_after_forward"), bool)
+        else kw.get("reshard_after_forward"),
+    },
+    "ignore_reduce_dtype": lambda impl, kw: {
+        **kw,
+        "mp_policy": None
+        if kw.get("mp_policy") is None
+        else impl.MixedPrecisionPolicy(
+            param_dtype=kw["mp_policy"].param_dtype,
+            reduce_dtype=None,
+            output_dtype=kw["mp_policy"].output_dtype,
+            cast_forward_inputs=kw["mp_policy"].cast_forward_inputs,
+        ),
+    },
+    "ignore_ignored_params": lambda impl, kw: {**kw, "ignored_params": None},
+}
+
+_MODULE: dict[str, Callable[[nn.Module], None]] = {
+    "skip_grad_average": lambda m: _install_summing_reduce_scatter(),
+    "ignore_gradient_sync": lambda m: setattr(m, "set_requires_gradient_sync", _noop),
+    "ignore_divide_factor": lambda m: setattr(m, "set_gradient_divide_factor", _noop),
+    "never_reshard": _never_reshard,
+    "drop_hsdp_all_reduce": _drop_all_reduce,
+    "always_communicate": lambda m: m.register_forward_pre_hook(_extra_all_reduce),
+    "ignore_forward_prefetch": lambda m: setattr(m, "set_modules_to_forward_prefetch", _noop),
+    "ignore_backward_prefetch": lambda m: setattr(m, "set_modules_to_backward_prefetch", _noop),
+    "reverse_backward_prefetch": _reverse_backward_prefetch,
+    "no_implicit_prefetch": lambda m: m.set_modules_to_backward_prefetch([m]),
+    "blocking_async_unshard": _blocking_async_unshard,
+}
+
+BREAKAGES = (*_MODULE, *_KWARGS, "forward_method_once")
+
+
 class BrokenImplementation(Implementation):
     """``base`` with one behaviour broken (see the module docstring)."""
 
-    def __init__(self, base_spec: str, breakage: str) -> None:
+    def __init__(self, base_spec: str, breakage: str, undeclared: frozenset[str] = frozenset()):
+        if breakage not in BREAKAGES:
+            raise ValueError(f"unknown breakage {breakage!r}; one of {', '.join(BREAKAGES)}")
         self.base = load_implementation(base_spec)
         self.breakage = breakage
         self.name = f"{self.base.name} with {breakage}"
-        self.capabilities = self.base.capabilities
+        self.capabilities = self.base.capabilities - undeclared
         self.MixedPrecisionPolicy = self.base.MixedPrecisionPolicy
         self.OffloadPolicy = self.base.OffloadPolicy
         self.CPUOffloadPolicy = self.base.CPUOffloadPolicy
         self.FSDPModule = self.base.FSDPModule
 
+    def _arguments(self, kwargs: dict[str, Any]) -> dict[str, Any]:
+        adjust = _KWARGS.get(self.breakage)
+        return adjust(self, kwargs) if adjust is not None else kwargs
+
     def _break(self, result: Any) -> Any:
-        modules = result if isinstance(result, list) else [result]
-        for module in modules:
-            if self.breakage == "skip_grad_average":
-                _install_summing_reduce_scatter()
-            elif self.breakage == "ignore_gradient_sync":
-                module.set_requires_gradient_sync = _noop
-            elif self.breakage == "never_reshard":
-                module.set_reshard_after_backward(False, recurse=False)
-                module.set_reshard_after_forward(False, recurse=False)
-                module.reshard = _noop
-                module.set_reshard_after_backward = _noop
-                module.set_reshard_after_forward = _noop
-            elif self.breakage == "drop_hsdp_all_reduce":
-                _drop_all_reduce(module)
-            elif self.breakage == "always_communicate":
-                module.register_forward_pre_hook(_extra_all_reduce)
-            else:
-                raise ValueError(f"unknown breakage {self.breakage!r}")
+        after = _MODULE.get(self.breakage)
+        if after is not None:
+            for module in result if isinstance(result, list) else [result]:
+                after(module)
         return result
 
     def fully_shard(self, module, **kwargs: Any) -> Any:
-        return self._break(self.base.fully_shard(module, **kwargs))
+        return self._break(self.base.fully_shard(module, **self._arguments(kwargs)))
 
     def replicate(self, module, **kwargs: Any) -> Any:
-        return self._break(self.base.replicate(module, **kwargs))
+        return self._break(self.base.replicate(module, **self._arguments(kwargs)))
 
     def register_fsdp_forward_method(self, module: nn.Module, method_name: str) -> None:
+        plain = getattr(module, method_name)
         self.base.register_fsdp_forward_method(module, method_name)
+        if self.breakage != "forward_method_once":
+            return
+        hooked = getattr(module, method_name)
+        calls = []
+
+        def first_call_only(*args: Any, **kwargs: Any) -> Any:
+            calls.append(None)
+            return (hooked if len(calls) == 1 else plain)(*args, **kwargs)
+
+        object.__setattr__(module, method_name, first_call_only)
 
     def share_comm_ctx(self, modules: list[nn.Module]) -> None:
         self.base.share_comm_ctx(modules)
@@ -133,15 +228,6 @@ class BrokenImplementation(Implementation):
         self.base.set_unshard_async_op(module, async_op)
 
 
-BREAKAGES = (
-    "skip_grad_average",
-    "ignore_gradient_sync",
-    "never_reshard",
-    "drop_hsdp_all_reduce",
-    "always_communicate",
-)
-
-
 def _factory(base_spec: str, breakage: str) -> Callable[[], BrokenImplementation]:
     def build() -> BrokenImplementation:
         return BrokenImplementation(base_spec, breakage)
@@ -150,13 +236,17 @@ def _factory(base_spec: str, breakage: str) -> Callable[[], BrokenImplementation
     return build
 
 
-skip_grad_average = _factory("reference", "skip_grad_average")
-ignore_gradient_sync = _factory("reference", "ignore_gradient_sync")
-never_reshard = _factory("reference", "never_reshard")
-drop_hsdp_all_reduce = _factory("reference", "drop_hsdp_all_reduce")
-always_communicate = _factory("reference", "always_communicate")
-skip_grad_average_torch = _factory("torch", "skip_grad_average")
-ignore_gradient_sync_torch = _factory("torch", "ignore_gradient_sync")
-never_reshard_torch = _factory("torch", "never_reshard")
-drop_hsdp_all_reduce_torch = _factory("torch", "drop_hsdp_all_reduce")
-always_communicate_torch = _factory("torch", "always_communicate")
+def hidden_broken_gradient_sync() -> BrokenImplementation:
+    """``ignore_gradient_sync`` that hides it by not declaring ``gradient_accumulation``: the
+    refusal probe fails and the report withholds the core profile's percentage."""
+    return BrokenImplementation(
+        "reference", "ignore_gradient_sync", undeclared=frozenset({"gradient_accumulation"})
+    )
+
+
+# Module-level factories for --impl tests.suites.broken:<name> (and <name>_torch).
+for _breakage in BREAKAGES:
+    for _base in ("reference", "torch"):
+        _build = _factory(_base, _breakage)
+        globals()[_build.__name__] = _build
+del _breakage, _base, _build

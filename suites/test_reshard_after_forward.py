@@ -1,0 +1,34 @@
+"""``reshard_after_forward``: what a group keeps between forward and backward (§2.2, §5.1 item 2).
+
+``True`` frees the unsharded parameters after forward, so backward all-gathers them again over
+the whole shard group; ``False`` keeps them; an int ``k`` keeps a ``1/k`` slice, so the
+backward all-gather runs over ``k`` consecutive ranks of the shard group and carries ``S/k``
+times the forward one's elements per rank. Numerics are the same in all three, so the cases
+hold each step's collectives to FSDP2's schedule (``suites/schedule``) next to parity.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from suites.cases import conformance, grid
+from suites.models import WidthStack
+from suites.schedule import ShardingPlan
+from suites.training import train_with_parity
+
+
+@conformance("fsdp.reshard_after_forward.schedule")
+@pytest.mark.parametrize("point", grid(raf=[2, True, False]))
+def test_reshard_after_forward_schedule(rank_ctx, impl, point):
+    model = WidthStack(n_blocks=3)
+    plan = ShardingPlan(impl)
+
+    def shard(model) -> None:
+        for layer in model.layers:
+            plan.fully_shard(layer, reshard_after_forward=point["raf"])
+        plan.fully_shard(model, reshard_after_forward=point["raf"])
+
+    train_with_parity(
+        rank_ctx.rank, model, shard, lambda: torch.randn(4, model.in_dim), schedule=plan, steps=3
+    )

@@ -1,0 +1,144 @@
+"""Explicit unsharding (§2.4, §2.5 ``set_unshard_in_backward``, §5.1 items 5 and 6).
+
+* ``unshard(async_op=True)`` returns a handle *before* its all-gather has completed: one rank
+  joins the all-gather only after every other rank's call has returned (they meet on a
+  group of their own first), so an implementation that waits inside the call never returns
+  and the meeting times out with a message saying so. ``wait()`` then leaves the group
+  unsharded, and the next forward does not gather it again (the schedule oracle knows the
+  group is held).
+* ``set_unshard_async_op(True)`` every step: same numerics, same schedule (slow).
+* ``set_unshard_in_backward(False)``: that group is never all-gathered in backward, not even
+  as a prefetch target, and still gets the right gradients.
+"""
+
+from __future__ import annotations
+
+import copy
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from harness.parity import assert_losses_equal, assert_sharded_parity, average_gradients
+from suites.cases import conformance
+from suites.models import ModelArgs, Transformer
+from suites.schedule import ScheduleRecorder, ShardingPlan
+from suites.training import adam, train_with_parity
+
+N_LAYERS = 4
+#: How long the held-back rank waits for the others' unshard calls to return.
+MEETING_TIMEOUT = timedelta(seconds=10)
+
+
+def sharded_transformer(
+    plan: ShardingPlan, n_layers: int = N_LAYERS
+) -> tuple[nn.Module, nn.Module]:
+    """The sharded model and a plain copy taken before sharding."""
+    torch.manual_seed(42)
+    model = Transformer(ModelArgs(n_layers=n_layers, dropout_p=0.0))
+    reference = copy.deepcopy(model)
+    for layer in model.layers:
+        plan.fully_shard(layer)
+    plan.fully_shard(model)
+    return model, reference
+
+
+def unshard_before_the_last_rank_joins(
+    plan: ShardingPlan, recorder: ScheduleRecorder, module: nn.Module
+) -> object:
+    """``unshard(async_op=True)`` on every rank; the last rank calls it only once the others'
+    calls have returned, which they can only do if the call does not wait for completion."""
+    last = dist.get_world_size() - 1
+    meeting = dist.new_group(timeout=MEETING_TIMEOUT)
+    if dist.get_rank() != last:
+        handle = plan.controls(module).unshard(async_op=True)
+        with recorder.suite_traffic():
+            dist.barrier(group=meeting)
+        return handle
+    try:
+        with recorder.suite_traffic():
+            dist.barrier(group=meeting)
+    except RuntimeError as error:
+        raise AssertionError(
+            f"rank {last} waited {MEETING_TIMEOUT.total_seconds():g} s for the other ranks' "
+            f"unshard(async_op=True) to return before joining their all-gather; they never "
+            f"returned: unshard(async_op=True) waits for its all-gather to complete instead "
+            f"of returning a handle ({error})"
+        ) from error
+    return plan.controls(module).unshard(async_op=True)
+
+
+@conformance("fsdp.unshard.async_handle")
+def test_async_unshard_returns_before_its_all_gather_completes(rank_ctx, impl):
+    plan = ShardingPlan(impl)
+    model, reference = sharded_transformer(plan, n_layers=2)
+    recorder = ScheduleRecorder(plan, model)
+    layer = model.layers[0]
+    with recorder.step("unshard(async_op=True)"):
+        handle = unshard_before_the_last_rank_joins(plan, recorder, layer)
+        assert handle is not None, "unshard(async_op=True) returned no handle"
+        handle.wait()
+    assert impl.is_group_unsharded(layer), "layers.0 is not unsharded after wait()"
+    assert not impl.is_group_unsharded(model.layers[1])
+    inp = torch.randint(0, 8, (2, 8))
+    # layers.0 is held unsharded: the oracle expects no all-gather for it in this forward.
+    with recorder.step("forward and backward"):
+        loss = model(inp).sum()
+        loss.backward()
+    reference_loss = reference(inp).sum()
+    reference_loss.backward()
+    assert_losses_equal(0, loss, reference_loss)
+    average_gradients(reference)
+    assert_sharded_parity(reference, model)
+
+
+@conformance("fsdp.unshard.async_every_step")
+def test_async_unshard_every_step_keeps_numerics(rank_ctx, impl):
+    plan = ShardingPlan(impl)
+    model, reference = sharded_transformer(plan)
+    impl.set_unshard_async_op(model, True)
+    recorder = ScheduleRecorder(plan, model)
+    optimizer, reference_optimizer = adam(model.parameters()), adam(reference.parameters())
+    torch.manual_seed(42 + rank_ctx.rank)
+    for step in range(4):
+        inp = torch.randint(0, 8, (2, 8))
+        with recorder.step(f"step {step}"):
+            for layer in model.layers:
+                plan.controls(layer).unshard(async_op=True)  # handles dropped: forward waits
+            loss = model(inp).sum()
+            loss.backward()
+        reference_loss = reference(inp).sum()
+        reference_loss.backward()
+        assert_losses_equal(step, loss, reference_loss)
+        average_gradients(reference)
+        assert_sharded_parity(reference, model)
+        for opt in (optimizer, reference_optimizer):
+            opt.step()
+            opt.zero_grad()
+
+
+@conformance("fsdp.unshard.in_backward_false")
+def test_unshard_in_backward_false_skips_the_gather(rank_ctx, impl):
+    torch.manual_seed(42)
+    model = Transformer(ModelArgs(n_layers=2, dropout_p=0.0, weight_tying=False))
+    plan = ShardingPlan(impl)
+
+    def shard(model: nn.Module) -> None:
+        # cases.md §2.5's "mem_eff" grouping: embeddings' backward never reads their weights.
+        plan.fully_shard([model.tok_embeddings, model.pos_embeddings])
+        for layer in model.layers:
+            plan.fully_shard(layer)
+        plan.fully_shard([model.norm, model.output])
+        plan.fully_shard(model)
+        plan.controls(model.tok_embeddings).set_unshard_in_backward(False)
+
+    train_with_parity(
+        rank_ctx.rank,
+        model,
+        shard,
+        lambda: torch.randint(0, 8, (2, 8)),
+        schedule=plan,
+        steps=3,
+        make_optimizer=adam,
+    )
