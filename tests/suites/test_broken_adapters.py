@@ -1,10 +1,11 @@
-"""Every suite module fails on at least one deliberately broken implementation.
+"""Every suite module fails on at least one deliberately broken implementation, and every
+wire-level check on the bug it exists for.
 
 Each row runs one suite item in a child ``python -m pytest`` with
 ``--impl tests.suites.broken:<adapter>`` and requires it to fail with the expected
-complaint (so a failure for an unrelated reason does not count). A suite whose capability
-the reference does not declare runs against the adapter wrapped around torch's
-implementation instead. ``test_post_optim_event`` needs device events and has no row on CPU.
+complaint (so a failure for an unrelated reason does not count). Adapters wrap torch's
+``fully_shard`` (``*_torch``) where the bug would realistically sit in it, or the
+reference. ``test_post_optim_event`` needs device events and has no row on CPU.
 """
 
 from __future__ import annotations
@@ -114,6 +115,80 @@ ROWS = [
         "test_train_parity_shard_placement_fn_shard_largest_dim[ws2]",
         "skip_grad_average",
         "gradient of",
+    ),
+    # The wire: each of these leaves losses and gradients exact; the schedule check fails.
+    row(
+        "test_prefetch",
+        "test_explicit_prefetching[ws2]",
+        "ignore_forward_prefetch_torch",
+        "(forward prefetch by layers.0) is due after `F> layers.0`",
+    ),
+    row(
+        "test_prefetch",
+        "test_explicit_prefetching[ws2]",
+        "ignore_backward_prefetch_torch",
+        "(backward prefetch by layers.7) is due after `B> layers.7`",
+    ),
+    row(
+        "test_prefetch",
+        "test_prefetch_list_order[ws2-forward=reversed-backward=reversed]",
+        "reverse_backward_prefetch_torch",
+        "out of order: expected all_gather",
+    ),
+    row(
+        "test_prefetch",
+        "test_implicit_backward_prefetch[ws2]",
+        "no_implicit_prefetch_torch",
+        "(implicit backward prefetch by root) is due after `B> root`",
+    ),
+    row(
+        "test_reshard_after_forward",
+        "test_reshard_after_forward_schedule[ws4-raf=2]",
+        "int_reshard_as_true_torch",
+        "missing: all_gather f32[16] over ranks [0, 1] (backward of root)",
+    ),
+    row(
+        "test_mixed_precision",
+        "test_bf16_training_parity[ws2-reduce=fp32]",
+        "ignore_reduce_dtype_torch",
+        "unexpected: reduce_scatter bf16",
+        fast=True,
+    ),
+    row(
+        "test_reduce_controls",
+        "test_divide_factor_and_sum_reduction[ws2-factor=3-force_sum=True]",
+        "ignore_divide_factor_torch",
+        "gradient of",
+    ),
+    row(
+        "test_ignored_params",
+        "test_ignored_params_stay_local_and_unreduced[ws2]",
+        "ignore_ignored_params_torch",
+        "the ignored weight became a DTensor",
+    ),
+    row(
+        "test_offload",
+        "test_cpu_offload_training_parity[ws2-raf=True]",
+        "never_reshard_torch",
+        "missing: all_gather",
+    ),
+    row(
+        "test_unshard",
+        "test_async_unshard_returns_before_its_all_gather_completes[ws2]",
+        "blocking_async_unshard_torch",
+        "waits for its all-gather to complete instead of returning a handle",
+    ),
+    row(
+        "test_forward_method",
+        "test_forward_method_hooks_run_on_every_call[ws2]",
+        "forward_method_once_torch",
+        "mixed torch.Tensor and DTensor",
+    ),
+    row(
+        "test_refusals",
+        "test_undeclared_capability_is_refused[ws4-capability=gradient_accumulation]",
+        "hidden_broken_gradient_sync",
+        "accepted it silently",
     ),
 ]
 
