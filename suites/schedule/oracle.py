@@ -91,6 +91,7 @@ class ExpectedCall:
     before: int | None
     block: int
     op: str | None = None
+    over: str = ""  # the mesh dim the ranks are, for messages
 
     @property
     def signature(self) -> tuple[str, tuple[int, ...], str, int]:
@@ -99,7 +100,8 @@ class ExpectedCall:
     def describe(self) -> str:
         op = f" op={self.op}" if self.op else ""
         return (
-            f"{self.kind} {self.dtype}[{self.numel}] over ranks {list(self.ranks)}{op} ({self.why})"
+            f"{self.kind} {self.dtype}[{self.numel}] over {self.over} ranks {list(self.ranks)}"
+            f"{op} ({self.why})"
         )
 
 
@@ -260,6 +262,7 @@ class Oracle:
                 start,
                 deadline,
                 op,
+                over=group.ranks.shard_dim,
             )
         all_reduce = flags.requires_all_reduce or group.kind == REPLICATE
         if group.ranks.replicate_size > 1 and all_reduce:
@@ -274,6 +277,7 @@ class Oracle:
                 start,
                 deadline,
                 op,
+                over=group.ranks.replicate_dim,
             )
 
     def _reduction_deadline(self, group: GroupPlan, start: int) -> int | None:
@@ -303,11 +307,15 @@ class Oracle:
         shard_size = group.ranks.shard_size
         if shard_size == 1:
             return  # nothing to gather: every rank holds the whole group
-        ranks = held.ranks if held.state == POST_FORWARD else group.ranks.shard
+        over = group.ranks.shard_dim
+        if held.state == POST_FORWARD:
+            ranks = held.ranks
+            over = f"{len(ranks)} consecutive {over}"
+        else:
+            ranks = group.ranks.shard
         numel = group.layout.padded_numel(shard_size) // len(ranks)
-        self._add(
-            "all_gather", ranks, dtype_name(group.gather_dtype), numel, group, why, after, before
-        )
+        dtype = dtype_name(group.gather_dtype)
+        self._add("all_gather", ranks, dtype, numel, group, why, after, before, over=over)
 
     def _add(
         self,
@@ -320,9 +328,13 @@ class Oracle:
         after: int,
         before: int | None,
         op: str | None = None,
+        *,
+        over: str,
     ) -> None:
         self._calls.append(
-            ExpectedCall(kind, ranks, dtype, numel, group.name, why, after, before, self._block, op)
+            ExpectedCall(
+                kind, ranks, dtype, numel, group.name, why, after, before, self._block, op, over
+            )
         )
 
     def _next(self, index: int, codes: tuple[str, ...], group: GroupPlan) -> int | None:

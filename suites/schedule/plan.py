@@ -35,6 +35,8 @@ class GroupRanks:
 
     shard: tuple[int, ...]  # all-gather and reduce-scatter; () for replicate
     replicate: tuple[int, ...]  # the gradient all-reduce; () without a replicate dim
+    shard_dim: str = "shard"  # the mesh dims' names, for messages
+    replicate_dim: str = "replicate"
 
     @property
     def shard_size(self) -> int:
@@ -57,23 +59,25 @@ def mesh_ranks(mesh: DeviceMesh | None, kind: str, rank: int, world_size: int) -
     2-D ``(replicate, shard)`` mesh is HSDP."""
     if mesh is None:
         world = tuple(range(world_size))
-        return (
-            GroupRanks(shard=world, replicate=()) if kind == FULLY_SHARD else GroupRanks((), world)
-        )
+        if kind == FULLY_SHARD:
+            return GroupRanks(shard=world, replicate=(), shard_dim="world")
+        return GroupRanks(shard=(), replicate=world, replicate_dim="world")
     layout = mesh.mesh
     coordinate = mesh.get_coordinate()
     if coordinate is None:
         raise ValueError(f"rank {rank} is not in the mesh {mesh}")
+    names = mesh.mesh_dim_names or tuple(f"dim{d}" for d in range(mesh.ndim))
 
     def along(dim: int) -> tuple[int, ...]:
         index = tuple(slice(None) if d == dim else c for d, c in enumerate(coordinate))
         return tuple(int(r) for r in layout[index].flatten().tolist())
 
     if mesh.ndim == 1:
-        ranks = along(0)
-        return GroupRanks(ranks, ()) if kind == FULLY_SHARD else GroupRanks((), ranks)
+        if kind == FULLY_SHARD:
+            return GroupRanks(shard=along(0), replicate=(), shard_dim=names[0])
+        return GroupRanks(shard=(), replicate=along(0), replicate_dim=names[0])
     if mesh.ndim == 2 and kind == FULLY_SHARD:
-        return GroupRanks(shard=along(1), replicate=along(0))
+        return GroupRanks(along(1), along(0), shard_dim=names[1], replicate_dim=names[0])
     raise ValueError(f"no schedule for {kind} on a {mesh.ndim}-D mesh")
 
 

@@ -145,7 +145,7 @@ ROWS = [
         "test_reshard_after_forward",
         "test_reshard_after_forward_schedule[ws4-raf=2]",
         "int_reshard_as_true_torch",
-        "missing: all_gather f32[16] over ranks [0, 1] (backward of root)",
+        "missing: all_gather f32[16] over 2 consecutive world ranks [0, 1] (backward of root)",
     ),
     row(
         "test_mixed_precision",
