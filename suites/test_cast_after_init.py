@@ -48,7 +48,7 @@ def assert_float64(tensor: torch.Tensor, what: str) -> None:
 
 def run_cast_after_init(rank_ctx, distribute) -> None:
     with swap_tensors_on_conversion():
-        model = MLP(4)
+        model = MLP(4, rank_ctx.device)
         reference = copy.deepcopy(model).to(torch.float64)
         ref_optimizer = torch.optim.Adam(reference.parameters(), lr=1e-2)
         for module in (model.in_proj, model.out_proj, model):
@@ -61,7 +61,7 @@ def run_cast_after_init(rank_ctx, distribute) -> None:
         assert_sharded_parity(reference, model, check_grads=False)
         torch.manual_seed(42 + rank_ctx.rank + 1)
         for step in range(STEPS):
-            inp = torch.randn(2, 4, dtype=torch.float64)
+            inp = torch.randn(2, 4, dtype=torch.float64, device=rank_ctx.device)
             loss = model(inp).sum()
             loss.backward()
             ref_loss = reference(inp).sum()
@@ -90,11 +90,11 @@ def test_replicate_to_float64_after_init(rank_ctx, impl):
 
 @conformance("fsdp.cast_after_training")
 def test_to_dtype_with_gradients_and_while_unsharded(rank_ctx, impl):
-    model = MLP(6)
+    model = MLP(6, rank_ctx.device)
     reference = copy.deepcopy(model)
     impl.fully_shard(model.in_proj, reshard_after_forward=False)
     impl.fully_shard(model, reshard_after_forward=False)
-    inp = torch.randn(3, 6)
+    inp = torch.randn(3, 6, device=rank_ctx.device)
     model(inp).sum().backward()
     reference(inp).sum().backward()
     average_gradients(reference)

@@ -31,9 +31,9 @@ def run_move_forward_input(rank_ctx, distribute) -> None:
     model = ParamlessModule(device).to(device)
     assert distribute(model) is model, "the entry point must return the module it was given"
     model.to(device)
-    x, ys = torch.randn(3), (torch.randn(3), torch.randn(3))
-    for tensor in (x, *ys):
-        assert tensor.device.type == "cpu"
+    # On the CPU on purpose, whatever the rank's device: the root must move them there.
+    x = torch.randn(3, device="cpu")
+    ys = (torch.randn(3, device="cpu"), torch.randn(3, device="cpu"))
     out = model(x, ys)
     assert len(model.seen) == 3, "forward did not see both the tensor and the nested tuple"
     assert out.device.type == device.type

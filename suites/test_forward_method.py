@@ -42,14 +42,15 @@ class Model(nn.Module):
 
 
 def run_forward_method(rank_ctx, impl, distribute) -> None:
-    model = Model()
+    with torch.device(rank_ctx.device):
+        model = Model()
     reference = copy.deepcopy(model)
     distribute(model.vit)
     distribute(model.projector)
     distribute(model)
     impl.register_fsdp_forward_method(model.vit, "forward_features")
     torch.manual_seed(42 + rank_ctx.rank + 1)
-    inp = torch.randn(4, 3, 224, 224)
+    inp = torch.randn(4, 3, 224, 224, device=rank_ctx.device)
     losses = [m(inp).sum() for m in (model, reference)]
     assert_losses_equal(0, *losses)
     for loss in losses:
@@ -84,14 +85,15 @@ class RepeatedFeatures(nn.Module):
 
 @conformance("fsdp.forward_method.repeated_calls")
 def test_forward_method_hooks_run_on_every_call(rank_ctx, impl):
-    model = RepeatedFeatures()
+    with torch.device(rank_ctx.device):
+        model = RepeatedFeatures()
     reference = copy.deepcopy(model)
     for module in (model.vit, model.projector, model):
         impl.fully_shard(module)
     impl.register_fsdp_forward_method(model.vit, "forward_features")
     vit_params = sum(p.numel() for p in reference.vit.parameters())
     torch.manual_seed(42 + rank_ctx.rank + 1)
-    inp = torch.randn(6, 3, 28, 28)
+    inp = torch.randn(6, 3, 28, 28, device=rank_ctx.device)
     with counting() as trace:
         loss = model(inp).sum()
     # The ViT's group is gathered once per call (its weight has 1024 rows: no padding).

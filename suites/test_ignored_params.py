@@ -23,7 +23,8 @@ from suites.schedule import ScheduleRecorder, ShardingPlan
 @conformance("fsdp.ignored_params")
 def test_ignored_params_stay_local_and_unreduced(rank_ctx, impl):
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    with torch.device(rank_ctx.device):
+        model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
     reference = copy.deepcopy(model)
     plan = ShardingPlan(impl)
     plan.fully_shard(model, ignored_params={model[2].weight})
@@ -34,7 +35,7 @@ def test_ignored_params_stay_local_and_unreduced(rank_ctx, impl):
 
     for step in range(2):
         torch.manual_seed(100 + 10 * step + rank_ctx.rank)  # a different batch on every rank
-        batch = torch.randn(3, 8)
+        batch = torch.randn(3, 8, device=rank_ctx.device)
         with recorder.step(f"step {step}"):
             model(batch).sum().backward()
         reference(batch).sum().backward()

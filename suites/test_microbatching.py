@@ -26,7 +26,8 @@ MICROBATCHES = 3
 
 
 def run_microbatching(rank_ctx, impl, manage: str, point: dict, **kwargs) -> None:
-    model = Transformer(ModelArgs(dropout_p=0.0))
+    with torch.device(rank_ctx.device):
+        model = Transformer(ModelArgs(dropout_p=0.0))
     reference = copy.deepcopy(model)
     plan = ShardingPlan(impl)
     for block in [*blocks(model), model]:
@@ -34,7 +35,7 @@ def run_microbatching(rank_ctx, impl, manage: str, point: dict, **kwargs) -> Non
     recorder = ScheduleRecorder(plan, model)
     optimizer, ref_optimizer = adamw(model.parameters()), adamw(reference.parameters())
     torch.manual_seed(42 + rank_ctx.rank + 1)
-    inputs = [torch.randint(0, 8, (2, 16)) for _ in range(MICROBATCHES)]
+    inputs = [torch.randint(0, 8, (2, 16), device=rank_ctx.device) for _ in range(MICROBATCHES)]
     losses, ref_losses = [], []
     controls = plan.controls(model)
     for index, inp in enumerate(inputs):

@@ -75,7 +75,8 @@ def shard_mlp_stack(plan: ShardingPlan, model: nn.Module, mp_policy, manage: str
 
 def run_bf16_parity(rank_ctx, impl, reduce_dtype: torch.dtype | None, manage: str) -> None:
     mp = impl.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype)
-    model = MLPStack(8)
+    with torch.device(rank_ctx.device):
+        model = MLPStack(8)
     reference = CastingReference(model, torch.bfloat16, reduce_dtype)
     plan = ShardingPlan(impl)
     shard_mlp_stack(plan, model, mp, manage)
@@ -88,7 +89,7 @@ def run_bf16_parity(rank_ctx, impl, reduce_dtype: torch.dtype | None, manage: st
     )
     torch.manual_seed(42 + rank_ctx.rank + 1)
     for step in range(5):
-        inp = torch.randn(4, 8)
+        inp = torch.randn(4, 8, device=rank_ctx.device)
         with recorder.step(f"step {step}"):
             out = model(inp)
             loss = out.sum()
@@ -128,7 +129,8 @@ def test_replicate_bf16_training_parity(rank_ctx, impl):
 def test_bf16_accumulates_unsynced_gradients_in_reduce_dtype(rank_ctx, impl):
     """Gradient sync off: microbatch gradients add up in fp32 (reduce_dtype), not in bf16."""
     mp = impl.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    model = MLPStack(8)
+    with torch.device(rank_ctx.device):
+        model = MLPStack(8)
     reference = CastingReference(model, torch.bfloat16, torch.float32)
     plan = ShardingPlan(impl)
     shard_mlp_stack(plan, model, mp, "fully_shard")
@@ -137,7 +139,7 @@ def test_bf16_accumulates_unsynced_gradients_in_reduce_dtype(rank_ctx, impl):
     for microbatch in range(4):
         last = microbatch == 3
         plan.controls(model).set_requires_gradient_sync(last)
-        inp = torch.randn(4, 8)
+        inp = torch.randn(4, 8, device=rank_ctx.device)
         with recorder.step(f"microbatch {microbatch}"):
             model(inp).sum().backward()
         # The reference sums fp32-cast local gradients, then averages once.
@@ -165,10 +167,11 @@ class RecordsInputDtype(nn.Module):
 @conformance("fsdp.mixed_precision.cast_forward_inputs")
 @pytest.mark.parametrize("point", grid(cast=[True, False]))
 def test_cast_forward_inputs(rank_ctx, impl, point):
-    model = RecordsInputDtype(8)
+    with torch.device(rank_ctx.device):
+        model = RecordsInputDtype(8)
     mp = impl.MixedPrecisionPolicy(param_dtype=torch.bfloat16, cast_forward_inputs=point["cast"])
     impl.fully_shard(model, mp_policy=mp)
-    out = model(torch.randn(2, 8))
+    out = model(torch.randn(2, 8, device=rank_ctx.device))
     out.sum().backward()
     expected = torch.bfloat16 if point["cast"] else torch.float32
     assert model.input_dtypes == [expected], model.input_dtypes
@@ -184,13 +187,13 @@ class Upcast(nn.Module):
 @conformance("fsdp.mixed_precision.output_dtype")
 def test_output_dtype(rank_ctx, impl):
     """output_dtype alone: compute stays fp32, each managed module's outputs are cast."""
-    model = nn.Sequential(MLP(8), Upcast(), MLP(8))
+    model = nn.Sequential(MLP(8, rank_ctx.device), Upcast(), MLP(8, rank_ctx.device))
     impl.fully_shard(model[0], mp_policy=impl.MixedPrecisionPolicy(output_dtype=torch.bfloat16))
     impl.fully_shard(model, mp_policy=impl.MixedPrecisionPolicy(output_dtype=torch.float64))
     inner_outputs: list[torch.dtype] = []
     # Registered after the implementation's post-hook: it sees the output that hook returned.
     model[0].register_forward_hook(lambda _m, _i, out: inner_outputs.append(out.dtype))
-    out = model(torch.randn(2, 8))
+    out = model(torch.randn(2, 8, device=rank_ctx.device))
     assert inner_outputs == [torch.bfloat16], inner_outputs
     assert out.dtype == torch.float64
     out.sum().backward()

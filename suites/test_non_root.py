@@ -22,7 +22,8 @@ from suites.training import DELAY_S
 
 
 def run_non_root(rank_ctx, distribute) -> None:
-    model = nn.Sequential(MLP(32), MLP(32), MLP(32))
+    with torch.device(rank_ctx.device):
+        model = nn.Sequential(MLP(32), MLP(32), MLP(32))
     reference = copy.deepcopy(model)
     for mlp in model:
         distribute(mlp)
@@ -30,7 +31,7 @@ def run_non_root(rank_ctx, distribute) -> None:
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-2, foreach=True)
     ref_optimizer = torch.optim.Adam(reference.parameters(), lr=1e-2)
     torch.manual_seed(42 + rank_ctx.rank)
-    inp = torch.randn(8, 32)
+    inp = torch.randn(8, 32, device=rank_ctx.device)
 
     root_losses = [m(inp).sum() for m in (model, reference)]
     for loss in root_losses:

@@ -58,7 +58,8 @@ def assert_offloaded(model: nn.Module, optimizer: torch.optim.Optimizer, pinned:
 def run_offload_parity(rank_ctx, impl, mesh_shape: tuple[int, ...], raf: bool) -> None:
     device = rank_ctx.device
     mesh = rank_ctx.mesh(mesh_shape, ("replicate", "shard")) if len(mesh_shape) > 1 else None
-    model = MLPStack(8).to(device)
+    with torch.device(device):
+        model = MLPStack(8)
     reference = copy.deepcopy(model)
     policy = offload_policy(impl, device)
     plan = ShardingPlan(impl, mesh=mesh)
@@ -107,8 +108,9 @@ def test_cpu_offload_hsdp_training_parity(rank_ctx, impl):
 def test_pin_memory_without_accelerator_is_refused(rank_ctx, impl):
     if torch.accelerator.is_available():
         pytest.skip("an accelerator is available: pin_memory=True is legitimate here")
-    model = MLPStack(8)
+    with torch.device(rank_ctx.device):
+        model = MLPStack(8)
     # torch refuses when it first pins (fully_shard); the reference refuses in fully_shard.
     with pytest.raises(RuntimeError):
         impl.fully_shard(model, offload_policy=impl.CPUOffloadPolicy(pin_memory=True))
-        model(torch.randn(2, 8)).sum().backward()
+        model(torch.randn(2, 8, device=rank_ctx.device)).sum().backward()

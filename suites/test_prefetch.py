@@ -46,11 +46,13 @@ def run_upstream_prefetching(rank_ctx, impl, manage: str) -> None:
             getattr(plan, manage)(layer)
         set_upstream_prefetching(plan, model)
 
+    with torch.device(rank_ctx.device):
+        model = Transformer(ModelArgs(n_layers=N_LAYERS, dropout_p=0.0))
     train_with_parity(
         rank_ctx.rank,
-        Transformer(ModelArgs(n_layers=N_LAYERS, dropout_p=0.0)),
+        model,
         shard,
-        lambda: torch.randint(0, 8, (2, 8)),
+        lambda: torch.randint(0, 8, (2, 8), device=rank_ctx.device),
         schedule=plan,
         make_optimizer=adamw,
         seed_offset=0,
@@ -84,7 +86,8 @@ def backward_lists(layers: list[nn.Module], order: str) -> dict[int, list[nn.Mod
 
 
 def run_width_stack(rank_ctx, impl, forward_order: str, backward_order: str) -> None:
-    model = WidthStack(n_blocks=6)
+    with torch.device(rank_ctx.device):
+        model = WidthStack(n_blocks=6)
     plan = ShardingPlan(impl)
 
     def shard(model: nn.Module) -> None:
@@ -101,7 +104,7 @@ def run_width_stack(rank_ctx, impl, forward_order: str, backward_order: str) -> 
         rank_ctx.rank,
         model,
         shard,
-        lambda: torch.randn(4, model.in_dim),
+        lambda: torch.randn(4, model.in_dim, device=rank_ctx.device),
         schedule=plan,
         steps=STEPS,
     )

@@ -32,7 +32,8 @@ def run_reduce_controls(
     rank_ctx, impl, mesh_shape: tuple[int, ...], factor: float | None, force_sum: bool
 ) -> None:
     mesh = rank_ctx.mesh(mesh_shape, None if len(mesh_shape) == 1 else ("rep", "shard"))
-    model = MLPStack(8)
+    with torch.device(rank_ctx.device):
+        model = MLPStack(8)
     reference = copy.deepcopy(model)
     plan = ShardingPlan(impl, mesh=mesh)
     for mlp in model:
@@ -46,7 +47,7 @@ def run_reduce_controls(
     recorder = ScheduleRecorder(plan, model)
     torch.manual_seed(42 + rank_ctx.rank + 1)
     for step in range(2):  # the second backward accumulates into the sharded gradients
-        inp = torch.randn(4, 8)
+        inp = torch.randn(4, 8, device=rank_ctx.device)
         with recorder.step(f"backward {step}"):
             model(inp).sum().backward()
         reference(inp).sum().backward()
@@ -94,7 +95,8 @@ def test_divide_factor_and_sum_reduction_hsdp(rank_ctx, impl, point):
 @conformance("fsdp.reduce_controls.own_group_only")
 def test_divide_factor_applies_to_own_group_only(rank_ctx, impl):
     """FSDP2's setters are not recursive: the root's factor leaves its children's groups alone."""
-    model = nn.Sequential(nn.Linear(8, 8), MLPStack(8))
+    with torch.device(rank_ctx.device):
+        model = nn.Sequential(nn.Linear(8, 8), MLPStack(8))
     reference = copy.deepcopy(model)
     plan = ShardingPlan(impl)
     for mlp in model[1]:
@@ -103,7 +105,7 @@ def test_divide_factor_applies_to_own_group_only(rank_ctx, impl):
     plan.controls(model).set_gradient_divide_factor(8.0)
     plan.controls(model).set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
     recorder = ScheduleRecorder(plan, model)
-    inp = torch.randn(4, 8)
+    inp = torch.randn(4, 8, device=rank_ctx.device)
     with recorder.step("backward"):
         model(inp).sum().backward()
     reference(inp).sum().backward()

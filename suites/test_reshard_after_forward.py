@@ -21,7 +21,8 @@ from suites.training import train_with_parity
 @conformance("fsdp.reshard_after_forward.schedule")
 @pytest.mark.parametrize("point", grid(raf=[2, True, False]))
 def test_reshard_after_forward_schedule(rank_ctx, impl, point):
-    model = WidthStack(n_blocks=3)
+    with torch.device(rank_ctx.device):
+        model = WidthStack(n_blocks=3)
     plan = ShardingPlan(impl)
 
     def shard(model) -> None:
@@ -30,5 +31,10 @@ def test_reshard_after_forward_schedule(rank_ctx, impl, point):
         plan.fully_shard(model, reshard_after_forward=point["raf"])
 
     train_with_parity(
-        rank_ctx.rank, model, shard, lambda: torch.randn(4, model.in_dim), schedule=plan, steps=3
+        rank_ctx.rank,
+        model,
+        shard,
+        lambda: torch.randn(4, model.in_dim, device=rank_ctx.device),
+        schedule=plan,
+        steps=3,
     )

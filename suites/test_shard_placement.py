@@ -20,7 +20,8 @@ def shard_largest_dim(param: nn.Parameter) -> Shard:
 
 @conformance("fsdp.shard_placement.largest_dim")
 def test_train_parity_shard_placement_fn_shard_largest_dim(rank_ctx, impl):
-    model = Transformer(ModelArgs(n_layers=3, dropout_p=0.0))
+    with torch.device(rank_ctx.device):
+        model = Transformer(ModelArgs(n_layers=3, dropout_p=0.0))
     plan = ShardingPlan(impl)
 
     def distribute(m: nn.Module) -> None:
@@ -36,7 +37,7 @@ def test_train_parity_shard_placement_fn_shard_largest_dim(rank_ctx, impl):
         rank_ctx.rank,
         model,
         distribute,
-        lambda: torch.randint(0, 8, (2, 16)),
+        lambda: torch.randint(0, 8, (2, 16), device=rank_ctx.device),
         schedule=plan,
         steps=5,
         make_optimizer=adamw,
@@ -50,7 +51,7 @@ def shard_dim1_for_matrices(param: nn.Parameter) -> Shard:
 
 @conformance("fsdp.shard_placement.contiguous")
 def test_shard_placement_fn_contiguous_params_grads(rank_ctx, impl):
-    model = MLP(4)
+    model = MLP(4, rank_ctx.device)
     reference = copy.deepcopy(model)
     for module in (model.in_proj, model.out_proj, model):
         impl.fully_shard(module, shard_placement_fn=shard_dim1_for_matrices)
@@ -68,7 +69,7 @@ def test_shard_placement_fn_contiguous_params_grads(rank_ctx, impl):
         assert p.is_contiguous() and p.to_local().is_contiguous()
     for full, ref in zip(full_tensors(model), reference.parameters(), strict=True):
         torch.testing.assert_close(full, ref.detach(), rtol=0, atol=0)
-    model(torch.randn(2, 4)).sum().backward()
+    model(torch.randn(2, 4, device=rank_ctx.device)).sum().backward()
     assert len(checked) == 4, f"the pre-forward hooks saw {checked}"
     for p in model.parameters():
         assert p.is_contiguous() and p.to_local().is_contiguous()

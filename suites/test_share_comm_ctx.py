@@ -23,13 +23,13 @@ from suites.training import Expected, assert_counts, counting
 
 @conformance("fsdp.share_comm_ctx")
 def test_share_comm_context(rank_ctx, impl):
-    model = nn.Sequential(*(MLP(16) for _ in range(3)))
+    model = nn.Sequential(*(MLP(16, rank_ctx.device) for _ in range(3)))
     reference = copy.deepcopy(model)
     for layer in model:
         impl.fully_shard(layer)
     impl.share_comm_ctx(list(model))
     torch.manual_seed(42 + rank_ctx.rank + 1)
-    inp = torch.randn(4, 3, 16)
+    inp = torch.randn(4, 3, 16, device=rank_ctx.device)
     ref_loss = reference(inp).sum()
     with counting() as trace:
         loss = model(inp).sum()

@@ -32,11 +32,12 @@ MEETING_TIMEOUT = timedelta(seconds=10)
 
 
 def sharded_transformer(
-    plan: ShardingPlan, n_layers: int = N_LAYERS
+    plan: ShardingPlan, device: torch.device, n_layers: int = N_LAYERS
 ) -> tuple[nn.Module, nn.Module]:
-    """The sharded model and a plain copy taken before sharding."""
+    """The sharded model and a plain copy taken before sharding, both on ``device``."""
     torch.manual_seed(42)
-    model = Transformer(ModelArgs(n_layers=n_layers, dropout_p=0.0))
+    with torch.device(device):
+        model = Transformer(ModelArgs(n_layers=n_layers, dropout_p=0.0))
     reference = copy.deepcopy(model)
     for layer in model.layers:
         plan.fully_shard(layer)
@@ -72,7 +73,7 @@ def unshard_before_the_last_rank_joins(
 @conformance("fsdp.unshard.async_handle")
 def test_async_unshard_returns_before_its_all_gather_completes(rank_ctx, impl):
     plan = ShardingPlan(impl)
-    model, reference = sharded_transformer(plan, n_layers=2)
+    model, reference = sharded_transformer(plan, rank_ctx.device, n_layers=2)
     recorder = ScheduleRecorder(plan, model)
     layer = model.layers[0]
     with recorder.step("unshard(async_op=True)"):
@@ -81,7 +82,7 @@ def test_async_unshard_returns_before_its_all_gather_completes(rank_ctx, impl):
         handle.wait()
     assert impl.is_group_unsharded(layer), "layers.0 is not unsharded after wait()"
     assert not impl.is_group_unsharded(model.layers[1])
-    inp = torch.randint(0, 8, (2, 8))
+    inp = torch.randint(0, 8, (2, 8), device=rank_ctx.device)
     # layers.0 is held unsharded: the oracle expects no all-gather for it in this forward.
     with recorder.step("forward and backward"):
         loss = model(inp).sum()
@@ -96,13 +97,13 @@ def test_async_unshard_returns_before_its_all_gather_completes(rank_ctx, impl):
 @conformance("fsdp.unshard.async_every_step")
 def test_async_unshard_every_step_keeps_numerics(rank_ctx, impl):
     plan = ShardingPlan(impl)
-    model, reference = sharded_transformer(plan)
+    model, reference = sharded_transformer(plan, rank_ctx.device)
     impl.set_unshard_async_op(model, True)
     recorder = ScheduleRecorder(plan, model)
     optimizer, reference_optimizer = adam(model.parameters()), adam(reference.parameters())
     torch.manual_seed(42 + rank_ctx.rank)
     for step in range(4):
-        inp = torch.randint(0, 8, (2, 8))
+        inp = torch.randint(0, 8, (2, 8), device=rank_ctx.device)
         with recorder.step(f"step {step}"):
             for layer in model.layers:
                 plan.controls(layer).unshard(async_op=True)  # handles dropped: forward waits
@@ -121,7 +122,8 @@ def test_async_unshard_every_step_keeps_numerics(rank_ctx, impl):
 @conformance("fsdp.unshard.in_backward_false")
 def test_unshard_in_backward_false_skips_the_gather(rank_ctx, impl):
     torch.manual_seed(42)
-    model = Transformer(ModelArgs(n_layers=2, dropout_p=0.0, weight_tying=False))
+    with torch.device(rank_ctx.device):
+        model = Transformer(ModelArgs(n_layers=2, dropout_p=0.0, weight_tying=False))
     plan = ShardingPlan(impl)
 
     def shard(model: nn.Module) -> None:
@@ -137,7 +139,7 @@ def test_unshard_in_backward_false_skips_the_gather(rank_ctx, impl):
         rank_ctx.rank,
         model,
         shard,
-        lambda: torch.randint(0, 8, (2, 8)),
+        lambda: torch.randint(0, 8, (2, 8), device=rank_ctx.device),
         schedule=plan,
         steps=3,
         make_optimizer=adam,

@@ -19,10 +19,12 @@ from suites.training import train_with_parity
 def test_train_parity_single_worldsize1(rank_ctx, impl, point):
     label = point["lin_shapes"]
     plan = ShardingPlan(impl)
+    with torch.device(rank_ctx.device):
+        model = two_linears(label)
     train_with_parity(
         rank_ctx.rank,
-        two_linears(label),
+        model,
         plan.fully_shard,
-        lambda: torch.randn(4, LIN_SHAPES[label][0][0]),
+        lambda: torch.randn(4, LIN_SHAPES[label][0][0], device=rank_ctx.device),
         schedule=plan,
     )

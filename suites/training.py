@@ -226,15 +226,26 @@ def train_with_parity(
         )
 
 
-def transformer(n_layers: int = 3, **overrides) -> Transformer:
-    """The multi-group Transformer of cases.md §2.4 (vocab 1024, seq 64, no dropout)."""
+def transformer(
+    n_layers: int = 3, *, device: torch.device | str | None = None, **overrides
+) -> Transformer:
+    """The multi-group Transformer of cases.md §2.4 (vocab 1024, seq 64, no dropout), built
+    on ``device`` (``None``: the default device, for callers not yet converted)."""
     args = dict(n_layers=n_layers, n_heads=4, vocab_size=1024, max_seq_len=64, dropout_p=0.0)
     args.update(overrides)
-    return Transformer(ModelArgs(**args))
+    with _on(device):
+        return Transformer(ModelArgs(**args))
 
 
-def transformer_tokens() -> torch.Tensor:
-    return torch.randint(0, 1024, (3, 64))
+def transformer_tokens(device: torch.device | str | None = None) -> torch.Tensor:
+    """A batch for ``transformer()``; ``device=None`` is the default device (for callers that
+    pass this function itself as a zero-argument ``make_input``)."""
+    return torch.randint(0, 1024, (3, 64), device=device)
+
+
+def _on(device: torch.device | str | None) -> contextlib.AbstractContextManager:
+    # None keeps the caller's default device (and any ``with torch.device`` around the call).
+    return torch.device(device) if device is not None else contextlib.nullcontext()
 
 
 def blocks(model: nn.Module) -> list[nn.Module]:

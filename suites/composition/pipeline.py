@@ -355,18 +355,19 @@ class MicrobatchReference:
 
 
 def replica_batches(
-    step: int, replicas: int, rows: int, dim: int, dtype: torch.dtype
+    step: int, replicas: int, rows: int, dim: int, dtype: torch.dtype, device: torch.device
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Different inputs and labels for every data-parallel replica, the same on every rank
-    (so the tensor-parallel ranks of a replica agree, and each rank can replay all replicas)."""
-    generator = torch.Generator().manual_seed(1000 + step)
-    return [
-        (
-            torch.rand(rows, dim, generator=generator).to(dtype),
-            torch.rand(rows, dim, generator=generator).to(dtype),
-        )
-        for _ in range(replicas)
-    ]
+    (so the tensor-parallel ranks of a replica agree, and each rank can replay all replicas),
+    on ``device``."""
+    # Drawn on the CPU and then moved: the data must not depend on which device the run
+    # uses (an accelerator's generator draws other numbers from the same seed).
+    generator = torch.Generator(device="cpu").manual_seed(1000 + step)
+
+    def draw() -> torch.Tensor:
+        return torch.rand(rows, dim, generator=generator, device="cpu").to(device, dtype)
+
+    return [(draw(), draw()) for _ in range(replicas)]
 
 
 def local_shard(reference: torch.Tensor, like: torch.Tensor) -> torch.Tensor:

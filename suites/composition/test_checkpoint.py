@@ -100,10 +100,11 @@ class DataParallel:
     group: dist.ProcessGroup
     rank: int
     size: int
+    device: torch.device
 
     def train_step(self, optimizer: torch.optim.Optimizer, step: int) -> torch.Tensor:
         """One step on this rank's slice of the global batch; returns the global mean loss."""
-        ((inputs, labels),) = replica_batches(step, 1, GLOBAL_ROWS, DIM, torch.float32)
+        ((inputs, labels),) = replica_batches(step, 1, GLOBAL_ROWS, DIM, torch.float32, self.device)
         rows = GLOBAL_ROWS // self.size
         mine = slice(self.rank * rows, (self.rank + 1) * rows)
         loss = (self.model(inputs[mine]) - labels[mine]).pow(2).mean()
@@ -140,7 +141,7 @@ def lay_out(impl, rank_ctx, layout: str, model: nn.Module) -> DataParallel:
     for child in model:
         apply(child, mesh=mesh)
     apply(model, mesh=mesh)
-    return DataParallel(model, group, rank, size)
+    return DataParallel(model, group, rank, size, rank_ctx.device)
 
 
 def checkpoint_grid() -> list:
@@ -160,7 +161,9 @@ def checkpoint_grid() -> list:
 @pytest.mark.parametrize(("saved_layout", "loaded_layout"), checkpoint_grid())
 def test_checkpoint_continues_training(rank_ctx, impl, saved_layout, loaded_layout):
     torch.manual_seed(42)
-    saved = lay_out(impl, rank_ctx, saved_layout, MLPStack(DIM))
+    with torch.device(rank_ctx.device):
+        saved_model = MLPStack(DIM)
+    saved = lay_out(impl, rank_ctx, saved_layout, saved_model)
     saved_optimizer = adam(saved.model.parameters())
     for step in range(STEPS_BEFORE_SAVE):
         saved.train_step(saved_optimizer, step)
@@ -173,7 +176,9 @@ def test_checkpoint_continues_training(rank_ctx, impl, saved_layout, loaded_layo
         ]
 
         torch.manual_seed(7)  # a different initialisation, so that only the load can match
-        loaded = lay_out(impl, rank_ctx, loaded_layout, MLPStack(DIM))
+        with torch.device(rank_ctx.device):
+            loaded_model = MLPStack(DIM)
+        loaded = lay_out(impl, rank_ctx, loaded_layout, loaded_model)
         loaded_optimizer = adam(loaded.model.parameters())
         load(path, loaded.model, loaded_optimizer)
 
@@ -213,8 +218,10 @@ def test_pipeline_stage_checkpoint_keeps_fqns(rank_ctx, impl):
             impl.fully_shard(module, mesh=mesh["dp"])
 
     torch.manual_seed(42)
+    with torch.device(rank_ctx.device):
+        layers = layer_stack(lambda: MLPModule(10), N_LAYERS)
     pipeline = build_pipeline(
-        layer_stack(lambda: MLPModule(10), N_LAYERS),
+        layers,
         layout,
         distribute=distribute,
         pp_group=mesh["pp"].get_group(),
@@ -224,12 +231,15 @@ def test_pipeline_stage_checkpoint_keeps_fqns(rank_ctx, impl):
     )
     (chunk,) = pipeline.chunks
     optimizer = adam(chunk.parameters())
-    inputs, labels = replica_batches(0, dp_size, 8, 10, torch.float32)[mesh["dp"].get_local_rank()]
+    inputs, labels = replica_batches(0, dp_size, 8, 10, torch.float32, rank_ctx.device)[
+        mesh["dp"].get_local_rank()
+    ]
     pipeline.step(inputs, labels)
     optimizer.step()
 
     torch.manual_seed(7)
-    whole = whole_model(layer_stack(lambda: MLPModule(10), N_LAYERS))
+    with torch.device(rank_ctx.device):
+        whole = whole_model(layer_stack(lambda: MLPModule(10), N_LAYERS))
     flat = rank_ctx.mesh(rank_ctx.world_size, ("dp",))
     for layer in whole.layers.values():
         impl.fully_shard(layer, mesh=flat)

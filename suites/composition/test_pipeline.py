@@ -120,7 +120,8 @@ def test_pipeline_parity(rank_ctx, impl, schedule, data_parallel, dtype_name):
     layout = PipelineLayout(schedule, mesh["pp"].get_local_rank(), PP_SIZE, N_LAYERS)
 
     torch.manual_seed(42)
-    layers = layer_stack(lambda: MLPModule(DIM), N_LAYERS)
+    with torch.device(rank_ctx.device):
+        layers = layer_stack(lambda: MLPModule(DIM), N_LAYERS)
     reference = MicrobatchReference(
         whole_model(copy.deepcopy(layers)), N_MICROBATCHES, compute_dtype=dtype
     )
@@ -144,18 +145,18 @@ def test_pipeline_parity(rank_ctx, impl, schedule, data_parallel, dtype_name):
 
     for step in range(STEPS):
         batches = replica_batches(
-            step, dp_size, N_MICROBATCHES * MICROBATCH_ROWS, DIM, dtype
+            step, dp_size, N_MICROBATCHES * MICROBATCH_ROWS, DIM, dtype, rank_ctx.device
         )
         inputs, labels = batches[dp_rank]
         executed.clear()
-        losses = pipeline.step(inputs.to(rank_ctx.device), labels.to(rank_ctx.device))
+        losses = pipeline.step(inputs, labels)
         reference_losses = reference.run(batches)[dp_rank]
 
         if layout.is_last_rank:
             assert len(losses) == N_MICROBATCHES, f"step {step}: {len(losses)} losses"
             for index, (loss, expected) in enumerate(zip(losses, reference_losses, strict=True)):
                 assert_tensors_close(
-                    f"loss of microbatch {index} at step {step}", loss.detach().cpu(), expected
+                    f"loss of microbatch {index} at step {step}", loss.detach(), expected
                 )
         else:
             assert losses == [], "only the last stage computes losses"
@@ -193,8 +194,10 @@ def test_pipeline_reduces_once_per_step(rank_ctx, impl, schedule, data_parallel)
     mesh = rank_ctx.mesh((dp_size, PP_SIZE), ("dp", "pp"))
     layout = PipelineLayout(schedule, mesh["pp"].get_local_rank(), PP_SIZE, N_LAYERS)
     torch.manual_seed(42)
+    with torch.device(rank_ctx.device):
+        layers = layer_stack(lambda: MLPModule(DIM), N_LAYERS)
     pipeline = build_pipeline(
-        layer_stack(lambda: MLPModule(DIM), N_LAYERS),
+        layers,
         layout,
         distribute=data_parallel_per_layer(impl, data_parallel, mesh["dp"], None),
         pp_group=mesh["pp"].get_group(),
@@ -210,10 +213,10 @@ def test_pipeline_reduces_once_per_step(rank_ctx, impl, schedule, data_parallel)
 
     for step in range(STEPS):
         inputs, labels = replica_batches(
-            step, dp_size, N_MICROBATCHES * MICROBATCH_ROWS, DIM, torch.float32
+            step, dp_size, N_MICROBATCHES * MICROBATCH_ROWS, DIM, torch.float32, rank_ctx.device
         )[mesh["dp"].get_local_rank()]
         with CommTracer(mesh=mesh, functional=False) as trace:
-            pipeline.step(inputs.to(rank_ctx.device), labels.to(rank_ctx.device))
+            pipeline.step(inputs, labels)
         reductions = {
             kind: trace.count(kind, group="dp") for kind in ("reduce_scatter", "all_reduce")
         }
@@ -271,8 +274,10 @@ def test_3d_tp_dp_pp(rank_ctx, impl, schedule, dtype_name):
             )
 
     torch.manual_seed(42)
+    with torch.device(rank_ctx.device):
+        layers = layer_stack(lambda: MLPModuleEven(DIM), N_LAYERS)
     pipeline = build_pipeline(
-        layer_stack(lambda: MLPModuleEven(DIM), N_LAYERS),
+        layers,
         layout,
         distribute=distribute,
         pp_group=mesh["pp"].get_group(),
@@ -284,7 +289,9 @@ def test_3d_tp_dp_pp(rank_ctx, impl, schedule, dtype_name):
     optimizers = [adamw(chunk.parameters()) for chunk in pipeline.chunks]
     for step in range(STEPS):
         # One batch per dp replica, the same on its TP ranks (column-parallel inputs replicate).
-        batches = replica_batches(step, 2, N_MICROBATCHES * MICROBATCH_ROWS, DIM, dtype)
+        batches = replica_batches(
+            step, 2, N_MICROBATCHES * MICROBATCH_ROWS, DIM, dtype, rank_ctx.device
+        )
         inputs, labels = batches[mesh["dp"].get_local_rank()]
         losses = pipeline.step(inputs, labels)
         if layout.is_last_rank:

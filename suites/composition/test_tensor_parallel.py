@@ -140,7 +140,8 @@ FSDP_TP_GRID = grid(("raf", (False, True)), ("ac", (False, True)), ("dim", MLP_D
 def test_2d_fully_shard_tp(rank_ctx, impl, raf, ac, mlp_dim):
     mesh = rank_ctx.mesh((2, 2), ("dp", "tp"))
     torch.manual_seed(42)
-    model = MLPStack(mlp_dim)
+    with torch.device(rank_ctx.device):
+        model = MLPStack(mlp_dim)
     reference = ReferenceModel(model, adam, group=mesh["dp"].get_group())
     fully_shard_after_tp(impl, model, mesh["tp"], mesh["dp"], ac, raf)
     train_with_data_parallel(
@@ -158,7 +159,8 @@ def test_3d_hsdp_tp(rank_ctx, impl, raf, ac, mlp_dim):
     # ranks, row-major, as the (dp_replicate, dp_shard) sub-mesh.
     dp_flat = rank_ctx.mesh((4, 2), ("dp", "tp"))["dp"]
     torch.manual_seed(42)
-    model = MLPStack(mlp_dim)
+    with torch.device(rank_ctx.device):
+        model = MLPStack(mlp_dim)
     reference = ReferenceModel(model, adam, group=dp_flat.get_group())
     fully_shard_after_tp(impl, model, mesh["tp"], mesh["dp_replicate", "dp_shard"], ac, raf)
     train_with_data_parallel(
@@ -173,7 +175,8 @@ def test_replicate_tp(rank_ctx, impl, ac, mlp_dim):
     names = ("dp_replicate", "tp")
     mesh = rank_ctx.mesh((2, 2), names)
     torch.manual_seed(42)
-    model = MLPStack(mlp_dim)
+    with torch.device(rank_ctx.device):
+        model = MLPStack(mlp_dim)
     reference = ReferenceModel(model, adam, group=mesh["dp_replicate"].get_group())
     parallelize_module(model, mesh["tp"], mlp_stack_tp_plan())
     for child in model:
@@ -268,7 +271,8 @@ def test_shard_placement_fn_tp_ep(rank_ctx, impl, tp, dp_replicate, reshard):
     dp_group = rank_ctx.mesh((dp_size, tp), ("dp", "tp"))["dp"].get_group()
 
     torch.manual_seed(42)
-    model = Transformer(TP_EP_ARGS)
+    with torch.device(rank_ctx.device):
+        model = Transformer(TP_EP_ARGS)
     reference = ReferenceModel(model, lambda ps: torch.optim.Adam(ps, lr=1e-2), group=dp_group)
     if tp_mesh is not None:
         parallelize_transformer(model, tp_mesh)
@@ -287,7 +291,9 @@ def test_shard_placement_fn_tp_ep(rank_ctx, impl, tp, dp_replicate, reshard):
     torch.manual_seed(42 + rank_ctx.rank // tp)
     rtol, atol = SUMMED_LOGITS_GRAD_TOLERANCE
     for step in range(5):
-        inp = torch.randint(0, TP_EP_ARGS.vocab_size, (2, TP_EP_ARGS.max_seq_len))
+        inp = torch.randint(
+            0, TP_EP_ARGS.vocab_size, (2, TP_EP_ARGS.max_seq_len), device=rank_ctx.device
+        )
         loss = model(inp).sum()
         loss.backward()
         reference_loss = reference.forward_backward(lambda m, inp=inp: m(inp).sum())
@@ -312,8 +318,9 @@ def test_cpu_attention_on_tp_activations_has_no_sharding_strategy(rank_ctx):
     if rank_ctx.device_type != "cpu":
         pytest.skip("checks a CPU-only limitation")
     torch.manual_seed(42)
-    model = Transformer(ModelArgs(dropout_p=0.0))
+    with torch.device(rank_ctx.device):
+        model = Transformer(ModelArgs(dropout_p=0.0))
     parallelize_transformer(model, rank_ctx.mesh(rank_ctx.world_size, ("tp",)))
     no_strategy = r"flash_attention_for_cpu\S* does not have a sharding strategy"
     with pytest.raises(NotImplementedError, match=no_strategy):
-        model(torch.randint(0, 8, (2, 16)))
+        model(torch.randint(0, 8, (2, 16), device=rank_ctx.device))

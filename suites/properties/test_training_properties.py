@@ -39,8 +39,9 @@ from suites.properties.strategies import (
 LEARNING_RATE = 0.1
 
 
-def build_model(dims: tuple[int, ...]) -> nn.Sequential:
-    blocks = [nn.Sequential(nn.Linear(a, b), nn.Tanh()) for a, b in itertools.pairwise(dims)]
+def build_model(dims: tuple[int, ...], device: torch.device) -> nn.Sequential:
+    with torch.device(device):
+        blocks = [nn.Sequential(nn.Linear(a, b), nn.Tanh()) for a, b in itertools.pairwise(dims)]
     return nn.Sequential(*blocks)
 
 
@@ -53,7 +54,7 @@ def train_and_compare(impl: Any, example: TrainingExample, tolerance: dict[str, 
     ctx = get_rank_context()
     names = ("replicate", "shard") if len(example.mesh_shape) == 2 else ("shard",)
     mesh = ctx.mesh(example.mesh_shape, names)
-    model = build_model(example.dims)
+    model = build_model(example.dims, ctx.device)
     reference = ReferenceModel(model, sgd)
     for block, own in zip(model, example.own_group, strict=True):
         if own:
@@ -67,7 +68,7 @@ def train_and_compare(impl: Any, example: TrainingExample, tolerance: dict[str, 
             last = micro == example.microbatches - 1
             if example.microbatches > 1:
                 model.set_requires_gradient_sync(last)
-            inp = torch.randn(example.batch, example.dims[0])
+            inp = torch.randn(example.batch, example.dims[0], device=ctx.device)
             loss = model(inp).mean()
             loss.backward()
             if last:
