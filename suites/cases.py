@@ -40,9 +40,9 @@ from typing import Any
 import pytest
 
 from harness.conformance.report import CAPABILITIES_PROPERTY, CASE_PROPERTY, Profile
+from suites.plugin import CASE_MARKER
 
 CASES_FILE = Path(__file__).with_name("cases.toml")
-CASE_MARKER = "conformance_case"
 CPU_PREFIX = "CPU:"
 UNSUPPORTED_PREFIX = "UNSUPPORTED:"
 LAUNCHER_PREFIX = "LAUNCHER:"
@@ -237,11 +237,17 @@ def case(case_id: str) -> Case:
 
 
 def conformance(case_id: str) -> Callable[[Callable], Callable]:
-    """Tie a suite function to a case: its world sizes and its row of the case table."""
+    """Tie a suite function to a case: its world sizes and its row of the case table.
+
+    Every case also runs under the harness's device audit (``harness/device_audit.py``): a
+    tensor the suite creates without a device fails the case on CPU already, since on an
+    accelerator run it would sit on the CPU, off the rank's device.
+    """
     row = case(case_id)
 
     def decorate(fn: Callable) -> Callable:
         fn = pytest.mark.world_size(*row.world_sizes)(fn)
+        fn = pytest.mark.device_audit(fn)
         return getattr(pytest.mark, CASE_MARKER)(case_id)(fn)
 
     return decorate

@@ -9,13 +9,6 @@ from suites.cases import CASE_MARKER, apply_case_table
 from suites.plugin import selected_spec
 
 
-def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line(
-        "markers",
-        f"{CASE_MARKER}(case_id): the suites/cases.toml row this conformance test implements",
-    )
-
-
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     # First, so that the slow marks added here are seen by -m's deselection.

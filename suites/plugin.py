@@ -15,6 +15,9 @@ import pytest
 
 from impl.api import ENV_VAR, Implementation, default_spec, load_implementation
 
+# The marker's name, kept here so this plugin loads without importing the case table.
+CASE_MARKER = "conformance_case"
+
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("distconform-suites", "conformance suites (distconform)")
@@ -24,6 +27,15 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         metavar="SPEC",
         help=f"implementation under test: reference, torch or package.module[:factory] "
         f"(default: ${ENV_VAR} or reference)",
+    )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # Registered here, not in suites/conftest.py: @conformance marks functions wherever they
+    # are defined (a vendor's own suites, tests of the case table).
+    config.addinivalue_line(
+        "markers",
+        f"{CASE_MARKER}(case_id): the suites/cases.toml row this conformance test implements",
     )
 
 

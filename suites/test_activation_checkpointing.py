@@ -54,7 +54,10 @@ def apply_grouping(model: nn.Module, grouping: str, manage) -> None:
 
 def run_checkpointed(rank_ctx, manage, kind: str, grouping: str) -> None:
     model = transformer(
-        3, checkpoint_activations=kind == "utils", weight_tying=grouping != "mem_eff"
+        3,
+        device=rank_ctx.device,
+        checkpoint_activations=kind == "utils",
+        weight_tying=grouping != "mem_eff",
     )
 
     def distribute(m: nn.Module) -> None:
@@ -65,7 +68,7 @@ def run_checkpointed(rank_ctx, manage, kind: str, grouping: str) -> None:
                 checkpoint_in_place(layer)
         apply_grouping(m, grouping, manage)
 
-    inp = transformer_tokens()
+    inp = transformer_tokens(rank_ctx.device)
     train_with_parity(
         rank_ctx.rank,
         model,

@@ -102,7 +102,8 @@ def offload_policy(impl, offload: str):
 
 def run_accumulation(rank_ctx, plan: ShardingPlan, manage, point: dict, expected: Expected) -> None:
     torch.manual_seed(42)
-    model = nn.Sequential(nn.Linear(32, 32), MLP(32), MLP(32), MLP(32))
+    with torch.device(rank_ctx.device):
+        model = nn.Sequential(nn.Linear(32, 32), MLP(32), MLP(32), MLP(32))
     reference = copy.deepcopy(model)
     for mlp in model[1:]:
         manage(mlp)
@@ -117,7 +118,7 @@ def run_accumulation(rank_ctx, plan: ShardingPlan, manage, point: dict, expected
         (optimizer, ref_optimizer),
         iterations=ITERATIONS,
         microbatches=MICROBATCHES,
-        make_input=lambda: torch.randn(2, 32),
+        make_input=lambda: torch.randn(2, 32, device=rank_ctx.device),
         before_microbatch=lambda last: set_flags(
             plan, model, point["mode"], point["rab"], point.get("rso", False), last
         ),

@@ -25,6 +25,18 @@ class MultiForwardModule(nn.Module):
         return self.outer(self.inner(x) + self.inner(x))
 
 
+def run_multi_forward(rank_ctx, distribute) -> None:
+    with torch.device(rank_ctx.device):
+        model = MultiForwardModule()
+    train_with_parity(
+        rank_ctx.rank,
+        model,
+        distribute,
+        lambda: torch.randn(32, 4, device=rank_ctx.device),
+        seed_offset=0,
+    )
+
+
 @conformance("fsdp.multi_forward")
 @pytest.mark.parametrize("point", grid(raf=[True, False, 2]))
 def test_multi_forward_module(rank_ctx, impl, point):
@@ -32,13 +44,7 @@ def test_multi_forward_module(rank_ctx, impl, point):
         impl.fully_shard(model.inner, reshard_after_forward=point["raf"])
         impl.fully_shard(model, reshard_after_forward=point["raf"])
 
-    train_with_parity(
-        rank_ctx.rank,
-        MultiForwardModule(),
-        distribute,
-        lambda: torch.randn(32, 4),
-        seed_offset=0,
-    )
+    run_multi_forward(rank_ctx, distribute)
 
 
 @conformance("replicate.multi_forward")
@@ -47,10 +53,4 @@ def test_replicate_multi_forward_module(rank_ctx, impl):
         impl.replicate(model.inner)
         impl.replicate(model)
 
-    train_with_parity(
-        rank_ctx.rank,
-        MultiForwardModule(),
-        distribute,
-        lambda: torch.randn(32, 4),
-        seed_offset=0,
-    )
+    run_multi_forward(rank_ctx, distribute)

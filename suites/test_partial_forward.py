@@ -4,8 +4,9 @@ The hidden state is computed without the head (``skip_head=True``: the ``[norm, 
 group runs only part of its modules), then the head runs standalone per chunk with its own
 backward, each chunk accumulating into the head's gradient, and finally the hidden state's
 backward. Grouped and ungrouped sharding, weight tying and mixed-precision output dtypes
-vary; the other cases toggle resharding mid-step, recover from an exception in forward,
-run two forwards before one backward, with nested groups and checkpointing.
+vary; the other cases toggle resharding mid-step (the head, kept unsharded, is gathered at
+most once for all its chunks), recover from an exception in forward, and run two forwards
+before one backward with nested groups, with or without checkpointing.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from suites.training import (
     SUMMED_LOGITS_GRAD_TOLERANCE,
     adam,
     checkpoint_in_place,
+    counting,
     local,
     transformer,
     zero_grad,
@@ -48,7 +50,7 @@ def run_chunked(
     """(summed head loss, head-weight gradient after the last chunk)."""
     h = model(tokens, skip_head=True)
     assert h.dtype == h_dtype, f"hidden state is {h.dtype}, expected {h_dtype}"
-    total = torch.zeros(())
+    total = torch.zeros((), device=h.device)
     chunk_grads, snapshots = [], []
     for chunk in h.detach().float().chunk(n_chunks, dim=1):
         chunk = chunk.contiguous().requires_grad_(True)
@@ -126,7 +128,8 @@ def test_partial_group_forward_then_standalone(rank_ctx, impl, point):
 
     def new_model() -> nn.Module:
         torch.manual_seed(42)
-        m = ChunkedHeadModel(DIM, VOCAB, tie)
+        with torch.device(rank_ctx.device):
+            m = ChunkedHeadModel(DIM, VOCAB, tie)
         if ac:
             checkpoint_in_place(m.body)
         return m
@@ -137,7 +140,7 @@ def test_partial_group_forward_then_standalone(rank_ctx, impl, point):
         return m
 
     torch.manual_seed(42)
-    tokens = torch.randint(0, VOCAB, (2, 16))
+    tokens = torch.randint(0, VOCAB, (2, 16), device=rank_ctx.device)
     reference = new_model()
     ref_optimizer = adam(reference.parameters())
     model = sharded(True)
@@ -186,11 +189,12 @@ class GroupedCastModel(nn.Module):
 
 @conformance("fsdp.partial.grouped_cast_forward_inputs")
 def test_grouped_module_cast_forward_inputs(rank_ctx, impl):
-    model = GroupedCastModel()
+    with torch.device(rank_ctx.device):
+        model = GroupedCastModel()
     mp = impl.MixedPrecisionPolicy(param_dtype=torch.bfloat16, cast_forward_inputs=True)
     impl.fully_shard([model.a, model.b], mp_policy=mp)
     impl.fully_shard(model, mp_policy=mp)
-    out = model(torch.randn(2, 32))
+    out = model(torch.randn(2, 32, device=rank_ctx.device))
     assert out.dtype == torch.bfloat16, f"output is {out.dtype}"
     out.sum().backward()
     for name, p in model.named_parameters():
@@ -214,7 +218,8 @@ def test_partial_group_forward_grad_accum_chunked(rank_ctx, impl, point):
 
     def setup(grouped: bool) -> nn.Module:
         torch.manual_seed(42)
-        m = ChunkedHeadModel(DIM, VOCAB)
+        with torch.device(rank_ctx.device):
+            m = ChunkedHeadModel(DIM, VOCAB)
         impl.fully_shard(m.embed, reshard_after_forward=raf)
         impl.fully_shard(m.body, reshard_after_forward=raf)
         if grouped:
@@ -226,10 +231,11 @@ def test_partial_group_forward_grad_accum_chunked(rank_ctx, impl, point):
         return m
 
     torch.manual_seed(42)
-    plain = ChunkedHeadModel(DIM, VOCAB)
+    with torch.device(rank_ctx.device):
+        plain = ChunkedHeadModel(DIM, VOCAB)
     ungrouped, model = setup(False), setup(True)
     torch.manual_seed(42 + rank_ctx.rank)
-    tokens_list = [torch.randint(0, VOCAB, (2, 16)) for _ in range(3)]
+    tokens_list = [torch.randint(0, VOCAB, (2, 16), device=rank_ctx.device) for _ in range(3)]
     for m in (ungrouped, model):
         for index, tokens in enumerate(tokens_list):
             last = index == len(tokens_list) - 1
@@ -250,7 +256,8 @@ def test_partial_group_forward_grad_accum_chunked(rank_ctx, impl, point):
 def test_partial_group_reshard_toggle(rank_ctx, impl, point):
     tie, initial = point["tie"], point["initial_reshard"]
     torch.manual_seed(42)
-    model = ChunkedHeadModel(DIM, VOCAB, tie)
+    with torch.device(rank_ctx.device):
+        model = ChunkedHeadModel(DIM, VOCAB, tie)
     if tie:
         impl.fully_shard(model.body)
         impl.fully_shard([model.embed, model.norm, model.head], reshard_after_forward=initial)
@@ -260,18 +267,23 @@ def test_partial_group_reshard_toggle(rank_ctx, impl, point):
         impl.fully_shard([model.norm, model.head], reshard_after_forward=initial)
     impl.fully_shard(model)
     optimizer = adam(model.parameters())
-    tokens = torch.randint(0, VOCAB, (2, 16))
+    tokens = torch.randint(0, VOCAB, (2, 16), device=rank_ctx.device)
     head = model.head
     for step in range(5):
         h = model(tokens, skip_head=True)
         head.set_reshard_after_forward(False)
         head.set_reshard_after_backward(False)
         grads = []
-        for index, chunk in enumerate(h.detach().chunk(4, dim=1)):
-            chunk = chunk.contiguous().requires_grad_(True)
-            head(chunk).sum().backward()
-            grads.append(chunk.grad)
-            assert impl.is_group_unsharded(head), f"step {step}: resharded after chunk {index}"
+        with counting() as trace:
+            for index, chunk in enumerate(h.detach().chunk(4, dim=1)):
+                chunk = chunk.contiguous().requires_grad_(True)
+                head(chunk).sum().backward()
+                grads.append(chunk.grad)
+                assert impl.is_group_unsharded(head), f"step {step}: resharded after chunk {index}"
+        # Held unsharded, the head is gathered in forward once at most for its four chunks.
+        # (Their backwards may prefetch another group: the implicit guess from forward order.)
+        gathers = trace.count("all_gather", phase="forward")
+        assert gathers <= 1, f"step {step}: {gathers} forward all-gathers\n{trace.schedule()}"
         head.set_reshard_after_forward(True)
         head.set_reshard_after_backward(True)
         head.reshard()
@@ -298,12 +310,13 @@ class Raiser(nn.Module):
 @conformance("fsdp.partial.reset_iter_state")
 def test_reset_iter_state_after_exception(rank_ctx, impl):
     torch.manual_seed(42)
-    model = ChunkedHeadModel(DIM, VOCAB)
+    with torch.device(rank_ctx.device):
+        model = ChunkedHeadModel(DIM, VOCAB)
     reference = copy.deepcopy(model)
     model.body = Raiser(model.body)
     impl.fully_shard([model.norm, model.head])
     impl.fully_shard(model)
-    tokens = torch.randint(0, VOCAB, (2, 16))
+    tokens = torch.randint(0, VOCAB, (2, 16), device=rank_ctx.device)
     model.body.armed = True
     with pytest.raises(RuntimeError, match="boom"):
         model(tokens, skip_head=True)
@@ -320,21 +333,23 @@ def test_reset_iter_state_after_exception(rank_ctx, impl):
     assert_sharded_parity(reference, model, prefixes_to_ignore=("inner.",))
 
 
-@conformance("fsdp.partial.double_forward_nested_checkpoint")
-@pytest.mark.parametrize("point", grid(raf=[True, False], checkpoint=["in_place", "utils"]))
-def test_double_forward_with_nested_fsdp_and_checkpoint(rank_ctx, impl, point):
-    raf = point["raf"]
-    model: Transformer = transformer(3, checkpoint_activations=point["checkpoint"] == "utils")
+def run_double_forward(rank_ctx, impl, raf: bool, checkpoint: str) -> None:
+    """Two forwards, one backward of their squared difference; attention, feed-forward, each
+    block (checkpointed ``in_place``, by ``utils`` in the model's forward, or ``none``) and
+    the root are groups."""
+    model: Transformer = transformer(
+        3, device=rank_ctx.device, checkpoint_activations=checkpoint == "utils"
+    )
     reference = copy.deepcopy(model)
     for layer in model.layers:
-        if point["checkpoint"] == "in_place":
+        if checkpoint == "in_place":
             checkpoint_in_place(layer)
         impl.fully_shard(layer.attention, reshard_after_forward=raf)
         impl.fully_shard(layer.feed_forward, reshard_after_forward=raf)
         impl.fully_shard(layer, reshard_after_forward=raf)
     impl.fully_shard(model, reshard_after_forward=raf)
     torch.manual_seed(42 + rank_ctx.rank)
-    inp1, inp2 = torch.randint(0, 1024, (2, 32)), torch.randint(0, 1024, (2, 32))
+    inp1, inp2 = (torch.randint(0, 1024, (2, 32), device=rank_ctx.device) for _ in range(2))
     for m in (model, reference):
         out1, out2 = m(inp1), m(inp2)
         ((out1.sum() - out2.sum()) ** 2).backward()
@@ -346,15 +361,28 @@ def test_double_forward_with_nested_fsdp_and_checkpoint(rank_ctx, impl, point):
     assert_sharded_parity(reference, model, rtol=rtol, atol=atol)
 
 
+@conformance("fsdp.partial.double_forward_nested")
+@pytest.mark.parametrize("point", grid(raf=[True, False]))
+def test_double_forward_with_nested_fsdp(rank_ctx, impl, point):
+    run_double_forward(rank_ctx, impl, point["raf"], "none")
+
+
+@conformance("fsdp.partial.double_forward_nested_checkpoint")
+@pytest.mark.parametrize("point", grid(raf=[True, False], checkpoint=["in_place", "utils"]))
+def test_double_forward_with_nested_fsdp_and_checkpoint(rank_ctx, impl, point):
+    run_double_forward(rank_ctx, impl, point["raf"], point["checkpoint"])
+
+
 @conformance("fsdp.partial.double_partial_forward")
 def test_double_partial_forward_then_backward(rank_ctx, impl):
     torch.manual_seed(42)
-    model = ChunkedHeadModel(DIM, VOCAB)
+    with torch.device(rank_ctx.device):
+        model = ChunkedHeadModel(DIM, VOCAB)
     reference = copy.deepcopy(model)
     impl.fully_shard([model.norm, model.head])
     impl.fully_shard(model)
     torch.manual_seed(42 + rank_ctx.rank)
-    t1, t2 = torch.randint(0, VOCAB, (2, 16)), torch.randint(0, VOCAB, (2, 16))
+    t1, t2 = (torch.randint(0, VOCAB, (2, 16), device=rank_ctx.device) for _ in range(2))
     for m in (model, reference):
         h1 = m(t1, skip_head=True)
         h2 = m(t2, skip_head=True)

@@ -1,10 +1,12 @@
 """Which form of each parameter is registered when (cases.md §2.2, §3.2; §5.1 item 2).
 
-Before forward parameters are DTensors; after forward they are plain unsharded tensors iff
-the group does not reshard after forward (root + ``None`` keeps them, non-root + ``None``
-reshards, ``replicate`` never reshards); after backward they are DTensors again; ``reshard()``
-restores DTensors by hand. Values always equal the unsharded original. The harness seeds
-every rank identically, so models start equal without a broadcast.
+Before forward parameters are ``Shard(0)`` DTensors over the world; after forward they are
+plain unsharded tensors iff the group does not reshard after forward (root + ``None`` keeps
+them, non-root + ``None`` reshards, ``replicate`` never reshards); after backward they are
+DTensors again; ``reshard()`` restores DTensors by hand, and an explicit ``unshard()`` (or
+``unshard(async_op=True)`` then ``wait()``) outside forward registers plain tensors until
+then. Values always equal the unsharded original. The harness seeds every rank
+identically, so models start equal without a broadcast.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import copy
 import pytest
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from suites.cases import conformance, grid
 from suites.models import MLP
@@ -30,6 +32,12 @@ def assert_all_plain(params: list[nn.Parameter], context: str) -> None:
     assert params, f"{context}: no parameters"
     for p in params:
         assert not isinstance(p, DTensor), f"{context}: expected a plain tensor, got a DTensor"
+
+
+def assert_dim0_over_the_world(model: nn.Module, world_size: int) -> None:
+    for name, p in model.named_parameters():
+        assert p.placements == (Shard(0),), f"{name}: placements {p.placements}"
+        assert p.device_mesh.size() == world_size, f"{name}: mesh {p.device_mesh}"
 
 
 def assert_same_values(model: nn.Module, reference: nn.Module) -> None:
@@ -69,25 +77,30 @@ def test_param_registration_after_forward(rank_ctx, impl, point):
     def distribute(module: nn.Module) -> None:
         impl.fully_shard(module, reshard_after_forward=raf)
 
+    inp = torch.randn(2, 3, device=rank_ctx.device)
     if point["groups"] == "single":
-        model = MLP(3)
+        with torch.device(rank_ctx.device):
+            model = MLP(3)
         reference = copy.deepcopy(model)
         distribute(model)
         assert_all_dtensor(list(model.parameters()), "before forward")
+        assert_dim0_over_the_world(model, rank_ctx.world_size)
         assert_same_values(model, reference)
-        model(torch.randn(2, 3))
+        model(inp)
         if raf in (True, 2):
             assert_all_dtensor(list(model.parameters()), f"after forward, root raf={raf}")
         else:  # False, or None on the root
             assert_all_plain(list(model.parameters()), f"after forward, root raf={raf}")
         assert impl.is_group_unsharded(model) is (raf in (False, None))
     else:
-        model = nn.Sequential(MLP(3), MLP(3))
+        with torch.device(rank_ctx.device):
+            model = nn.Sequential(MLP(3), MLP(3))
         reference = copy.deepcopy(model)
         build_multi_group(distribute, model)
         assert_all_dtensor(list(model.parameters()), "before forward")
+        assert_dim0_over_the_world(model, rank_ctx.world_size)
         assert_same_values(model, reference)
-        model(torch.randn(2, 3))
+        model(inp)
         non_root, root_owned = multi_group_params(model)
         if raf is None:
             assert_all_dtensor(non_root, "after forward, non-root with raf=None")
@@ -112,13 +125,14 @@ AFTER_BACKWARD_GRID = grid(groups=["single", "multi"], raf=[True, False, 2])
 @pytest.mark.parametrize("point", AFTER_BACKWARD_GRID)
 def test_param_registration_after_backward(rank_ctx, impl, point):
     raf = point["raf"]
-    model = MLP(8)
+    with torch.device(rank_ctx.device):
+        model = MLP(8)
     if point["groups"] == "multi":
         impl.fully_shard(model.in_proj, reshard_after_forward=raf)
         impl.fully_shard(model.out_proj, reshard_after_forward=raf)
     impl.fully_shard(model, reshard_after_forward=raf)
     assert_all_dtensor(list(model.parameters()), "before forward")
-    model(torch.randn(2, 8)).sum().backward()
+    model(torch.randn(2, 8, device=rank_ctx.device)).sum().backward()
     assert_all_dtensor(list(model.parameters()), "after backward")
     for module in managed_modules(impl, model):
         assert not impl.is_group_unsharded(module), "a group stayed unsharded after backward"
@@ -129,33 +143,54 @@ def test_param_registration_after_backward(rank_ctx, impl, point):
 
 @conformance("fsdp.registration.modules_to_run_forward")
 def test_modules_to_run_forward_empty_for_single_module(rank_ctx, impl):
-    model = MLP(8)
+    with torch.device(rank_ctx.device):
+        model = MLP(8)
     impl.fully_shard(model.in_proj)
     impl.fully_shard(model.out_proj)
     impl.fully_shard(model)
     modules = [model.in_proj, model.out_proj, model]
     for module in modules:
         assert impl.modules_to_run_forward(module) == set(), "before forward"
-    model(torch.randn(2, 8)).sum().backward()
+    model(torch.randn(2, 8, device=rank_ctx.device)).sum().backward()
     for module in modules:
         assert impl.modules_to_run_forward(module) == set(), "after forward and backward"
+
+
+@conformance("fsdp.registration.explicit_unshard")
+@pytest.mark.parametrize("point", grid(async_op=[False, True]))
+def test_explicit_unshard_then_reshard(rank_ctx, impl, point):
+    with torch.device(rank_ctx.device):
+        model = MLP(5)  # hidden 20, dim 5: uneven over 2 ranks
+    reference = copy.deepcopy(model)
+    impl.fully_shard(model)
+    handle = model.unshard(async_op=point["async_op"])
+    if point["async_op"]:
+        assert handle is not None, "unshard(async_op=True) returned no handle"
+        handle.wait()
+    context = f"after unshard(async_op={point['async_op']})"
+    assert_all_plain(list(model.parameters()), context)
+    assert impl.is_group_unsharded(model), f"{context}: the group is not unsharded"
+    assert_same_values(model, reference)
+    model.reshard()
+    assert_all_dtensor(list(model.parameters()), "after reshard()")
+    assert not impl.is_group_unsharded(model), "reshard() left the group unsharded"
+    assert_same_values(model, reference)
 
 
 @conformance("replicate.registration.after_forward")
 @pytest.mark.parametrize("point", grid(groups=["single", "multi"]))
 def test_replicate_param_registration_after_forward(rank_ctx, impl, point):
+    with torch.device(rank_ctx.device):
+        model = MLP(3) if point["groups"] == "single" else nn.Sequential(MLP(3), MLP(3))
+    reference = copy.deepcopy(model)
     if point["groups"] == "single":
-        model = MLP(3)
-        reference = copy.deepcopy(model)
         impl.replicate(model)
     else:
-        model = nn.Sequential(MLP(3), MLP(3))
-        reference = copy.deepcopy(model)
         build_multi_group(impl.replicate, model)
     for p in model.parameters():
         assert isinstance(p, DTensor) and p.placements == (Replicate(),), "before forward"
     assert_same_values(model, reference)
-    model(torch.randn(2, 3))
+    model(torch.randn(2, 3, device=rank_ctx.device))
     # replicate never reshards after forward, root or not.
     assert_all_plain(list(model.parameters()), "replicate, after forward")
     assert_same_values(model, reference)
@@ -168,13 +203,14 @@ def test_replicate_param_registration_after_forward(rank_ctx, impl, point):
 @conformance("replicate.registration.after_backward")
 @pytest.mark.parametrize("point", grid(groups=["single", "multi"]))
 def test_replicate_param_registration_after_backward(rank_ctx, impl, point):
-    model = MLP(8)
+    with torch.device(rank_ctx.device):
+        model = MLP(8)
     if point["groups"] == "multi":
         impl.replicate(model.in_proj)
         impl.replicate(model.out_proj)
     impl.replicate(model)
     assert_all_dtensor(list(model.parameters()), "before forward")
-    model(torch.randn(2, 8)).sum().backward()
+    model(torch.randn(2, 8, device=rank_ctx.device)).sum().backward()
     assert_all_dtensor(list(model.parameters()), "after backward")
     for p in model.parameters():
         assert isinstance(p.grad, DTensor) and p.grad.placements == (Replicate(),)

@@ -3,8 +3,8 @@
 * parity: a weight-tied Transformer, blocks optionally checkpointed, 10 steps;
 * uneven shard: a tied 17-row weight over 4 ranks (the last rank holds padding) trains
   every row, padded rows included;
-* tied parameters in two groups raise ``ValueError`` ("already managed by another") at the
-  first forward;
+* tied parameters in two groups raise ``ValueError`` ("already managed by another", naming
+  the parameter) at the first forward;
 * sharding layer by layer while building the model (with ``gc.collect()`` between, so
   ``id()``s of freed objects are reused) raises no false duplicate-parameter error and trains
   like the plain model.
@@ -40,11 +40,13 @@ def run_shared_parity(rank_ctx, impl, manage: str, ac: bool, **kwargs) -> None:
             getattr(plan, manage)(layer, **kwargs)
         getattr(plan, manage)(model, **kwargs)
 
+    with torch.device(rank_ctx.device):
+        model = tied_transformer()
     train_with_parity(
         rank_ctx.rank,
-        tied_transformer(),
+        model,
         distribute,
-        lambda: torch.randint(0, 8, (2, 16)),
+        lambda: torch.randint(0, 8, (2, 16), device=rank_ctx.device),
         # Recomputation in backward runs forwards the schedule oracle does not model.
         schedule=None if ac else plan,
     )
@@ -69,7 +71,8 @@ def test_replicate_train_parity_with_shared_params(rank_ctx, impl, point):
 def test_train_shared_params_uneven_shard(rank_ctx, impl, point):
     raf = point["raf"]
     vocab = rank_ctx.world_size * 4 + 1  # 17 rows over 4 ranks: the last rank holds 2 of 5
-    model = TiedModel(vocab, 16)
+    with torch.device(rank_ctx.device):
+        model = TiedModel(vocab, 16)
     plan = ShardingPlan(impl)
 
     def distribute(m: nn.Module) -> None:
@@ -84,7 +87,7 @@ def test_train_shared_params_uneven_shard(rank_ctx, impl, point):
         rank_ctx.rank,
         model,
         distribute,
-        lambda: torch.randint(0, vocab, (2, 8)),
+        lambda: torch.randint(0, vocab, (2, 8), device=rank_ctx.device),
         schedule=plan,
         loss_fn=cross_entropy,
         make_optimizer=adamw,
@@ -99,12 +102,15 @@ def test_train_shared_params_uneven_shard(rank_ctx, impl, point):
 
 @conformance("fsdp.shared_params.separate_groups_error")
 def test_shared_params_separate_fsdp_groups_error(rank_ctx, impl):
-    model = TiedModel(17, 16)
+    with torch.device(rank_ctx.device):
+        model = TiedModel(17, 16)
     impl.fully_shard(model.tok_embeddings)
     impl.fully_shard(model.output)
     impl.fully_shard(model)
-    with pytest.raises(ValueError, match="already managed by another"):
-        model(torch.randint(0, 17, (2, 8)))
+    with pytest.raises(ValueError, match="already managed by another") as info:
+        model(torch.randint(0, 17, (2, 8), device=rank_ctx.device))
+    # The parameter met a second time is the output's.
+    assert "output" in str(info.value), str(info.value)
 
 
 class SimpleBlock(nn.Module):
@@ -134,17 +140,19 @@ def test_layer_by_layer_shard_no_false_positive(rank_ctx, impl):
     reference = BlockStack()
     for index in range(n_blocks):
         torch.manual_seed(index)
-        reference.blocks.append(SimpleBlock(dim))
+        with torch.device(rank_ctx.device):
+            reference.blocks.append(SimpleBlock(dim))
     model = BlockStack()
     for index in range(n_blocks):
         torch.manual_seed(index)
-        block = SimpleBlock(dim).to(rank_ctx.device)
+        with torch.device(rank_ctx.device):
+            block = SimpleBlock(dim)
         model.blocks.append(block)
         impl.fully_shard(block)
         gc.collect()
     impl.fully_shard(model)
     torch.manual_seed(42 + rank_ctx.rank)
-    x = torch.randn(2, 4, dim)
+    x = torch.randn(2, 4, dim, device=rank_ctx.device)
     losses = [m(x).sum() for m in (model, reference)]
     for loss in losses:
         loss.backward()

@@ -11,6 +11,11 @@ order made every step a no-op, cases.md §3), and parameters are compared after 
 Multi-group cases inject the upstream delays: 100 ms before each all-gather, before each
 gradient reduction (the all-reduce for replicate), after forward and before the optimizer;
 none, one at a time, or all four.
+
+Beyond upstream, the same checks cover other groupings: three MLP groups under a root that
+owns no parameter, the default reshard policy (``reshard_after_forward=None``: the root keeps
+its parameters after forward, every block reshards), the whole Transformer as one group, and
+``fully_shard([a, b])`` as one group next to the root's own parameters.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from torch import nn
 from torch.distributed.tensor import Shard
 
 from suites.cases import conformance, grid
+from suites.models import MLP, MLPStack
 from suites.schedule import ShardingPlan
 from suites.training import (
     SUMMED_LOGITS_GRAD_TOLERANCE,
@@ -55,8 +61,10 @@ def run_single_group(
     rank_ctx, impl, label: str, *, replicate: bool = False, placement_fn=None
 ) -> None:
     in_dim = (LIN_SHAPES.get(label) or [(32, 16)])[0][0]
-    inp = torch.randn(4, in_dim)  # the upstream input is fixed across steps
+    inp = torch.randn(4, in_dim, device=rank_ctx.device)  # upstream: fixed across steps
     plan = ShardingPlan(impl)
+    with torch.device(rank_ctx.device):
+        model = two_linears(label)
 
     def distribute(model: nn.Module) -> None:
         if replicate:
@@ -67,7 +75,7 @@ def run_single_group(
             placements = {p.placements for p in model.parameters()}
             assert (Shard(1),) in placements, f"no parameter sharded on dim 1: {placements}"
 
-    train_with_parity(rank_ctx.rank, two_linears(label), distribute, lambda: inp, schedule=plan)
+    train_with_parity(rank_ctx.rank, model, distribute, lambda: inp, schedule=plan)
 
 
 @conformance("fsdp.parity.single_group")
@@ -97,8 +105,7 @@ def run_multi_group(
     unshard_async: bool = False,
     replicate: bool = False,
 ) -> None:
-    n_layers = 3
-    model = transformer(n_layers)
+    model = transformer(3, device=rank_ctx.device)
     mesh = rank_ctx.mesh((rank_ctx.world_size,), ("replicate",) if replicate else None)
     plan = ShardingPlan(impl, mesh=mesh)
 
@@ -117,7 +124,7 @@ def run_multi_group(
         rank_ctx.rank,
         model,
         distribute,
-        transformer_tokens,
+        lambda: transformer_tokens(rank_ctx.device),
         schedule=plan,
         model_context=collective_delays(delays, replicate=replicate),
         after_forward=host_delay("after_forward" in delays),
@@ -167,4 +174,90 @@ def test_replicate_train_parity_multi_group_cpu_offload(rank_ctx, impl, point):
         delays=DELAY_SETS[point["delays"]],
         offload_policy=impl.CPUOffloadPolicy(pin_memory=point["pin_memory"]),
         replicate=True,
+    )
+
+
+# --- other groupings ----------------------------------------------------------------------------
+
+
+@conformance("fsdp.parity.mlp_stack")
+@pytest.mark.parametrize("point", grid(raf=[True, False, 2], mlp_dim=[5, 17]))
+def test_train_parity_mlp_stack(rank_ctx, impl, point):
+    """Each MLP a group, the root owning no parameter of its own."""
+    plan = ShardingPlan(impl)
+
+    def distribute(model: nn.Module) -> None:
+        for mlp in model:
+            plan.fully_shard(mlp, reshard_after_forward=point["raf"])
+        plan.fully_shard(model, reshard_after_forward=point["raf"])
+
+    dim = point["mlp_dim"]
+    with torch.device(rank_ctx.device):
+        model = MLPStack(dim)
+    train_with_parity(
+        rank_ctx.rank,
+        model,
+        distribute,
+        lambda: torch.randn(8, dim, device=rank_ctx.device),
+        schedule=plan,
+    )
+
+
+def run_transformer_groups(rank_ctx, impl, distribute) -> None:
+    """``distribute(plan, model)`` shards a 2-block Transformer through the plan."""
+    plan = ShardingPlan(impl)
+    train_with_parity(
+        rank_ctx.rank,
+        transformer(2, device=rank_ctx.device),
+        lambda model: distribute(plan, model),
+        lambda: transformer_tokens(rank_ctx.device),
+        schedule=plan,
+        # Gradients of a sum over 3 x 64 x 1024 logits, reduced from flat group buffers.
+        grad_tolerance=SUMMED_LOGITS_GRAD_TOLERANCE,
+    )
+
+
+@conformance("fsdp.parity.default_reshard_policy")
+def test_train_parity_default_reshard_policy(rank_ctx, impl):
+    def distribute(plan: ShardingPlan, model: nn.Module) -> None:
+        for module in [*blocks(model), model]:
+            plan.fully_shard(module, reshard_after_forward=None)
+
+    run_transformer_groups(rank_ctx, impl, distribute)
+
+
+@conformance("fsdp.parity.root_only")
+def test_train_parity_transformer_root_only(rank_ctx, impl):
+    run_transformer_groups(rank_ctx, impl, lambda plan, model: plan.fully_shard(model))
+
+
+class TwoLinearsAndHead(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 8)
+        self.head = MLP(8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.b(torch.relu(self.a(x))))
+
+
+@conformance("fsdp.parity.grouped_modules")
+def test_train_parity_grouped_modules(rank_ctx, impl):
+    """``fully_shard([a, b])`` is one group (gathered and reduced once for both), which
+    reshards after forward; the root owns the head."""
+    plan = ShardingPlan(impl)
+
+    def distribute(model: nn.Module) -> None:
+        plan.fully_shard([model.a, model.b])
+        plan.fully_shard(model)
+
+    with torch.device(rank_ctx.device):
+        model = TwoLinearsAndHead()
+    train_with_parity(
+        rank_ctx.rank,
+        model,
+        distribute,
+        lambda: torch.randn(4, 8, device=rank_ctx.device),
+        schedule=plan,
     )

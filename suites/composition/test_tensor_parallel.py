@@ -33,6 +33,7 @@ from torch.distributed.tensor.parallel import (
 from harness.parity import ReferenceModel, assert_losses_equal, assert_tensors_close
 from suites.cases import conformance
 from suites.models import MLPStack, ModelArgs, Transformer
+from suites.training import SUMMED_LOGITS_GRAD_TOLERANCE
 
 STEPS = 10
 MLP_DIMS = (3, 5, 16, 17)
@@ -90,9 +91,7 @@ def grid(*axes: tuple[str, tuple]) -> list:
     params = []
     for values in itertools.product(*(choices for _, choices in axes)):
         named = dict(zip((name for name, _ in axes), values, strict=True))
-        params.append(
-            pytest.param(*values, id="-".join(f"{k}={v}" for k, v in named.items()))
-        )
+        params.append(pytest.param(*values, id="-".join(f"{k}={v}" for k, v in named.items())))
     return params
 
 
@@ -185,7 +184,11 @@ def test_replicate_tp(rank_ctx, impl, ac, mlp_dim):
         impl.replicate(child, mesh=mesh["dp_replicate"])
     impl.replicate(model, mesh=mesh["dp_replicate"])
     train_with_data_parallel(
-        rank_ctx, model, reference, mesh["dp_replicate"].get_local_rank(), mlp_dim,
+        rank_ctx,
+        model,
+        reference,
+        mesh["dp_replicate"].get_local_rank(),
+        mlp_dim,
         check_grads=True,
     )
     assert_meshes(model, names)
@@ -193,12 +196,7 @@ def test_replicate_tp(rank_ctx, impl, ac, mlp_dim):
 
 # --- shard_placement_fn with TP (§2.10 test_shard_placement_fn_tp_ep) -------------------------
 
-TP_EP_ARGS = ModelArgs(
-    n_layers=2, vocab_size=256, max_seq_len=32, dim=64, n_heads=4, dropout_p=0.0
-)
-# Logits summed over 2 x 32 x 256 entries: per-rank gradients cancel when averaged, and gloo
-# sums in another order than the reference (see tests/impl/test_training_parity.py).
-SUMMED_LOGITS_GRAD_TOLERANCE = (1e-3, 1e-3)
+TP_EP_ARGS = ModelArgs(n_layers=2, vocab_size=256, max_seq_len=32, dim=64, n_heads=4, dropout_p=0.0)
 
 
 def parallelize_transformer(model: Transformer, tp_mesh) -> None:

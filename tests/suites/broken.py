@@ -127,14 +127,15 @@ def _blocking_async_unshard(module: nn.Module) -> None:
 
 # Each breakage: how it changes fully_shard's keyword arguments, and what it does to the
 # managed module afterwards.
+def _int_reshard_as_true(impl: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
+    value = kwargs.get("reshard_after_forward")
+    if isinstance(value, int) and not isinstance(value, bool):
+        return {**kwargs, "reshard_after_forward": True}
+    return kwargs
+
+
 _KWARGS: dict[str, Callable[[Any, dict[str, Any]], dict[str, Any]]] = {
-    "int_reshard_as_true": lambda impl, kw: {
-        **kw,
-        "reshard_after_forward": True
-        if isinstance(kw.get("reshard_after_forward"), int)
-        and not isinstance(kw.get("reshard_after_forward"), bool)
-        else kw.get("reshard_after_forward"),
-    },
+    "int_reshard_as_true": _int_reshard_as_true,
     "ignore_reduce_dtype": lambda impl, kw: {
         **kw,
         "mp_policy": None
@@ -146,7 +147,9 @@ _KWARGS: dict[str, Callable[[Any, dict[str, Any]], dict[str, Any]]] = {
             cast_forward_inputs=kw["mp_policy"].cast_forward_inputs,
         ),
     },
-    "ignore_ignored_params": lambda impl, kw: {**kw, "ignored_params": None},
+    "ignore_ignored_params": lambda impl, kw: {
+        k: v for k, v in kw.items() if k != "ignored_params"
+    },
 }
 
 _MODULE: dict[str, Callable[[nn.Module], None]] = {
