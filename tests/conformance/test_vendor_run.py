@@ -104,7 +104,7 @@ def test_tolerance_on_ranks(rank_ctx, conformance_tolerance):
 # The suites' collection rules, so that the vendor's own case-tied tests get their skips and
 # user properties exactly as the bundled suites do.
 ACME_CONFTEST = """
-from suites.conftest import pytest_collection_modifyitems, pytest_configure  # noqa: F401
+from suites.conftest import pytest_collection_modifyitems  # noqa: F401
 """
 
 ACME_CASE_TESTS = """

@@ -152,7 +152,6 @@ ROWS = [
         "test_bf16_training_parity[ws2-reduce=fp32]",
         "ignore_reduce_dtype_torch",
         "unexpected: reduce_scatter bf16",
-        fast=True,
     ),
     row(
         "test_reduce_controls",
