@@ -20,9 +20,9 @@ import torch
 from torch import nn
 
 from suites.cases import conformance, grid
-from suites.models import ModelArgs, Transformer, WidthStack
+from suites.models import ModelArgs, Transformer
 from suites.schedule import ShardingPlan
-from suites.training import adamw, train_with_parity
+from suites.training import adamw, train_width_stack, train_with_parity
 
 N_LAYERS = 8
 STEPS = 3  # the schedule is the same every step; three show it is kept across steps
@@ -86,11 +86,7 @@ def backward_lists(layers: list[nn.Module], order: str) -> dict[int, list[nn.Mod
 
 
 def run_width_stack(rank_ctx, impl, forward_order: str, backward_order: str) -> None:
-    with torch.device(rank_ctx.device):
-        model = WidthStack(n_blocks=6)
-    plan = ShardingPlan(impl)
-
-    def shard(model: nn.Module) -> None:
+    def shard(plan: ShardingPlan, model: nn.Module) -> None:
         layers = list(model.layers)
         for layer in layers:
             plan.fully_shard(layer)
@@ -100,14 +96,7 @@ def run_width_stack(rank_ctx, impl, forward_order: str, backward_order: str) -> 
         for i, targets in backward_lists(layers, backward_order).items():
             plan.controls(layers[i]).set_modules_to_backward_prefetch(targets)
 
-    train_with_parity(
-        rank_ctx.rank,
-        model,
-        shard,
-        lambda: torch.randn(4, model.in_dim, device=rank_ctx.device),
-        schedule=plan,
-        steps=STEPS,
-    )
+    train_width_stack(rank_ctx, impl, 6, shard, steps=STEPS)
 
 
 @conformance("fsdp.prefetch.orders")

@@ -10,31 +10,19 @@ hold each step's collectives to FSDP2's schedule (``suites/schedule``) next to p
 from __future__ import annotations
 
 import pytest
-import torch
+from torch import nn
 
 from suites.cases import conformance, grid
-from suites.models import WidthStack
 from suites.schedule import ShardingPlan
-from suites.training import train_with_parity
+from suites.training import train_width_stack
 
 
 @conformance("fsdp.reshard_after_forward.schedule")
 @pytest.mark.parametrize("point", grid(raf=[2, True, False]))
 def test_reshard_after_forward_schedule(rank_ctx, impl, point):
-    with torch.device(rank_ctx.device):
-        model = WidthStack(n_blocks=3)
-    plan = ShardingPlan(impl)
-
-    def shard(model) -> None:
+    def shard(plan: ShardingPlan, model: nn.Module) -> None:
         for layer in model.layers:
             plan.fully_shard(layer, reshard_after_forward=point["raf"])
         plan.fully_shard(model, reshard_after_forward=point["raf"])
 
-    train_with_parity(
-        rank_ctx.rank,
-        model,
-        shard,
-        lambda: torch.randn(4, model.in_dim, device=rank_ctx.device),
-        schedule=plan,
-        steps=3,
-    )
+    train_width_stack(rank_ctx, impl, 3, shard)

@@ -24,7 +24,7 @@ from harness.parity import (
     assert_sharded_parity,
     average_gradients,
 )
-from suites.models import ModelArgs, Transformer, TransformerBlock
+from suites.models import ModelArgs, Transformer, TransformerBlock, WidthStack
 from suites.schedule import ScheduleRecorder, ShardingPlan
 
 STEPS = 10
@@ -224,6 +224,29 @@ def train_with_parity(
         assert_sharded_parity(
             reference.module, model, check_grads=False, prefixes_to_ignore=prefixes_to_ignore
         )
+
+
+def train_width_stack(
+    rank_ctx,
+    impl,
+    n_blocks: int,
+    shard: Callable[[ShardingPlan, WidthStack], None],
+    *,
+    steps: int = 3,
+) -> None:
+    """A :class:`WidthStack` sharded by ``shard(plan, model)`` and trained with parity and the
+    schedule check; three steps show the schedule is kept from step to step."""
+    with torch.device(rank_ctx.device):
+        model = WidthStack(n_blocks=n_blocks)
+    plan = ShardingPlan(impl)
+    train_with_parity(
+        rank_ctx.rank,
+        model,
+        lambda m: shard(plan, m),
+        lambda: torch.randn(4, model.in_dim, device=rank_ctx.device),
+        schedule=plan,
+        steps=steps,
+    )
 
 
 def transformer(
