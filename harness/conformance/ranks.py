@@ -32,12 +32,14 @@ def run_in_session(
     deadline: float = 120.0,
     context: str = "",
     fresh: bool = False,
+    device_audit: bool = False,
 ) -> list[Any]:
     """``fn(**kwargs)`` on ``world_size`` CPU ranks; every rank's return value, in rank order.
 
     Raises :class:`harness.DistributedFailure` (the full per-rank report) unless every rank
     passed. ``fn`` must be defined at module level and ``kwargs`` must pickle. ``fresh``
-    runs it on ranks of its own (for state that outlives the harness's group teardown).
+    runs it on ranks of its own (for state that outlives the harness's group teardown);
+    ``device_audit`` fails a tensor ``fn`` creates without a device (``harness.device_audit``).
     """
     from harness.plugin import SETTINGS_KEY
     from harness.pytest_run import POOLS_KEY
@@ -47,7 +49,15 @@ def run_in_session(
     if pools is None or settings.launcher == "external":
         from harness.api import run_on_ranks
 
-        return run_on_ranks(fn, world_size, (), kwargs, launcher=launcher, deadline=deadline)
+        return run_on_ranks(
+            fn,
+            world_size,
+            (),
+            kwargs,
+            launcher=launcher,
+            deadline=deadline,
+            device_audit=device_audit,
+        )
     payload, modules = pack_call(fn, (), dict(kwargs or {}))
     task = RankTask(
         test_id=context or getattr(fn, "__qualname__", repr(fn)),
@@ -56,6 +66,7 @@ def run_in_session(
         sys_path=tuple(p for p in sys.path if p),
         seed=settings.seed,
         pg_timeout=pg_timeout_for(deadline),
+        device_audit=device_audit,
     )
     key = PoolKey(
         launcher=launcher,

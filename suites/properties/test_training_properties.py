@@ -97,6 +97,7 @@ def check_example(
             # torch's fully_shard keeps an int reshard_after_forward's sub-mesh past the
             # harness's group teardown; ranks of its own keep examples independent.
             fresh=not isinstance(example.reshard_after_forward, bool),
+            device_audit=True,  # as every conformance case (suites.cases.conformance)
         )
     except DistributedFailure as failure:
         command = (
