@@ -133,11 +133,20 @@ class ShardingPlan:
     the parameters of its module(s) that no earlier group owns.
     """
 
-    def __init__(self, impl: Any, *, mesh: DeviceMesh | None = None) -> None:
+    def __init__(
+        self,
+        impl: Any,
+        *,
+        mesh: DeviceMesh | None = None,
+        rank: int | None = None,
+        world_size: int | None = None,
+    ) -> None:
+        """``rank`` and ``world_size`` default to this process's (the oracle's own tests give
+        them to plan one rank's view without a process group)."""
         self.impl = impl
         self.mesh = mesh
-        self.rank = dist.get_rank()
-        self.world_size = dist.get_world_size()
+        self.rank = dist.get_rank() if rank is None else rank
+        self.world_size = dist.get_world_size() if world_size is None else world_size
         self.groups: list[GroupPlan] = []
         self._listeners: list[Callable[[str, GroupPlan, dict[str, Any]], None]] = []
 
