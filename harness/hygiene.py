@@ -9,6 +9,7 @@ so the next test starts clean, and the test gets a warning naming the leak.
 
 from __future__ import annotations
 
+import gc
 import os
 import threading
 import time
@@ -94,6 +95,12 @@ def _destroy_new_groups(before: Snapshot, device_type: str) -> list[str]:
         # DTensor caches results by mesh *value*: the next test's equal mesh would get
         # back this test's mesh object, whose groups are gone (issue 3).
         _torch_private.forget_dtensor_caches(device_type)
+        # A destroyed group lives on while the test's objects (modules, meshes, pipeline
+        # stages) that hold it sit in reference cycles, which only a full collection
+        # frees. Its backend keeps its threads and sockets meanwhile: gloo's event loops
+        # spin once peers close their ends, so a warm pool would burn CPU and grow by
+        # dozens of threads per test.
+        gc.collect()
     return violations
 
 

@@ -41,6 +41,7 @@ rank keeping piece ``shard rank % k``. The backward all-gather then runs within 
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -202,10 +203,14 @@ class ParamGroup:
             for p in self.params:
                 p.init_unsharded(self.unsharded_flat, self.shard_size * p.flat_offset)
             self._free_unsharded_storage()
+        # The hook refers to this group weakly: a tensor's hooks are invisible to Python's
+        # garbage collector, so a strong reference would close a cycle (group -> param ->
+        # hook -> group) that is never freed, and with it the model and its mesh's groups.
+        on_grad_accumulated = weakref.WeakMethod(self._on_grad_accumulated)
         for index, p in enumerate(self.params):
             assert p.unsharded_param is not None
             p.unsharded_param.register_post_accumulate_grad_hook(
-                lambda _param, index=index: self._on_grad_accumulated(index)
+                lambda _param, index=index: on_grad_accumulated()(index)
             )
 
     # --- unshard / reshard -------------------------------------------------------------

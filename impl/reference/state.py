@@ -37,11 +37,17 @@ from impl.reference.policies import (
     cast_forward_output,
 )
 
-_STATE_OF_MODULE: weakref.WeakKeyDictionary[nn.Module, FSDPState] = weakref.WeakKeyDictionary()
+# Weak both ways: a state refers to its modules, so a strong value would keep every sharded
+# model (and the process groups of its mesh) alive for the rest of the process. The module's
+# own hooks, bound methods of the state, are what keep a state alive exactly as long as it.
+_STATE_OF_MODULE: weakref.WeakKeyDictionary[nn.Module, weakref.ref[FSDPState]] = (
+    weakref.WeakKeyDictionary()
+)
 
 
 def state_of(module: nn.Module) -> FSDPState | None:
-    return _STATE_OF_MODULE.get(module)
+    ref = _STATE_OF_MODULE.get(module)
+    return ref() if ref is not None else None
 
 
 class TrainingState(enum.Enum):
@@ -117,7 +123,7 @@ class FSDPState:
         # Set by fully_shard/replicate: inputs and outputs of every module call are cast by it.
         self.mp_policy = MixedPrecisionPolicy()
         for module in modules:
-            _STATE_OF_MODULE[module] = self
+            _STATE_OF_MODULE[module] = weakref.ref(self)
             module.register_forward_pre_hook(self.pre_forward, prepend=True, with_kwargs=True)
             module.register_forward_hook(self.post_forward, prepend=False)
 
