@@ -18,6 +18,10 @@ decorator marks it with the case's world sizes (one item per size) and with
 * leaves out the items of an ``only_undeclared`` case (the refusal probes, parametrized by
   ``capability=X``) whose capability the implementation declares: its own cases run instead.
 
+Every case has a ``description`` (what it checks, what a failing implementation gets wrong);
+``python -m suites.catalogue`` renders the table, descriptions and profiles as
+``docs/cases.md``.
+
 The table's ``[profile.NAME]`` rows are the conformance profiles (``load_profiles``): a
 required core, and one extension per capability no profile lists, named after it.
 
@@ -55,7 +59,8 @@ class Case:
 
     case_id: str
     upstream: str
-    sections: tuple[str, ...]
+    #: What the case checks and what a failing implementation gets wrong (docs/cases.md).
+    description: str
     world_sizes: tuple[int, ...]
     cpu: bool
     cpu_reason: str
@@ -111,12 +116,22 @@ def _tuple(value: Any, what: str) -> tuple:
     return tuple(value)
 
 
-def parse_cases(text: str, *, known_capabilities: Iterable[str] | None = None) -> dict[str, Case]:
-    """The cases of a TOML text, validated (unknown keys and capabilities are errors)."""
+def parse_cases(
+    text: str,
+    *,
+    known_capabilities: Iterable[str] | None = None,
+    require_description: bool = False,
+) -> dict[str, Case]:
+    """The cases of a TOML text, validated (unknown keys and capabilities are errors).
+
+    A ``description`` must be a non-empty string wherever it is given; with
+    ``require_description`` (the project's table: :func:`read_cases`) every row needs one.
+    Fragments parsed to exercise other rules may leave it out.
+    """
     known = frozenset(known_capabilities) if known_capabilities is not None else None
     allowed_keys = {
         "upstream",
-        "sections",
+        "description",
         "world_sizes",
         "cpu",
         "cpu_reason",
@@ -134,6 +149,16 @@ def parse_cases(text: str, *, known_capabilities: Iterable[str] | None = None) -
         unknown = set(row) - allowed_keys
         if unknown:
             raise ValueError(f"case {case_id!r}: unknown keys {sorted(unknown)}")
+        description = row.get("description")
+        if description is None:
+            if require_description:
+                raise ValueError(
+                    f"case {case_id!r}: no description (say what it checks and what a failing "
+                    f"implementation gets wrong)"
+                )
+            description = ""
+        elif not isinstance(description, str) or not description.strip():
+            raise ValueError(f"case {case_id!r}: description must be a non-empty string")
         cpu = row.get("cpu", True)
         if not cpu and not str(row.get("cpu_reason", "")).startswith(CPU_PREFIX):
             raise ValueError(f"case {case_id!r}: cpu = false needs a cpu_reason starting 'CPU:'")
@@ -157,7 +182,7 @@ def parse_cases(text: str, *, known_capabilities: Iterable[str] | None = None) -
         cases[case_id] = Case(
             case_id=case_id,
             upstream=row.get("upstream", ""),
-            sections=_tuple(row.get("sections", []), f"{case_id}.sections"),
+            description=" ".join(description.split()),
             world_sizes=_tuple(row["world_sizes"], f"{case_id}.world_sizes"),
             cpu=cpu,
             cpu_reason=row.get("cpu_reason", ""),
@@ -221,12 +246,19 @@ def load_profiles() -> tuple[Profile, ...]:
     return with_extensions(profiles, KNOWN_CAPABILITIES)
 
 
+def read_cases(path: Path = CASES_FILE) -> dict[str, Case]:
+    """A case table file checked like the project's: known capabilities, every row described."""
+    from impl.api import KNOWN_CAPABILITIES
+
+    return parse_cases(
+        path.read_text(), known_capabilities=KNOWN_CAPABILITIES, require_description=True
+    )
+
+
 @functools.cache
 def load_cases() -> dict[str, Case]:
     """The project's case table."""
-    from impl.api import KNOWN_CAPABILITIES
-
-    return parse_cases(CASES_FILE.read_text(), known_capabilities=KNOWN_CAPABILITIES)
+    return read_cases(CASES_FILE)
 
 
 def case(case_id: str) -> Case:

@@ -1,6 +1,8 @@
-"""Models the conformance cases train (shared/spec/cases.md §1.1 and §1.4), in our own code.
+"""Models the conformance cases train, in our own code.
 
-Shapes, initialisation order and forward math follow the catalogue so that parameter counts
+Shapes, initialisation order and forward math follow the models of torch's own tests
+(``MLP`` and ``MLPStack`` of its FSDP test helpers, ``Transformer`` of its DTensor test helpers)
+so that parameter counts
 and numerics match what the upstream cases exercise; nothing here knows about sharding.
 """
 
@@ -177,7 +179,8 @@ class ChunkedHeadModel(nn.Module):
     """Embedding, body, RMSNorm and a vocabulary head; ``skip_head`` returns the hidden state.
 
     Lets a caller run the head by itself per chunk of the hidden state (the partial-group
-    forward of cases.md §2.5); ``tie`` shares the head's weight with the embedding.
+    forward the upstream partial-group tests run); ``tie`` shares the head's weight with the
+    embedding.
     """
 
     def __init__(self, dim: int = 32, vocab_size: int = 128, tie: bool = False) -> None:

@@ -1,4 +1,4 @@
-"""Activation checkpointing composed with sharding (§2.5, §3.5): 3 kinds x 3 groupings.
+"""Activation checkpointing composed with sharding: 3 kinds x 3 groupings.
 
 Kinds: ``in_place`` (each block's own forward recomputed, names unchanged: the role of the
 composable ``checkpoint(block)``), ``utils`` (``torch.utils.checkpoint`` inside the
@@ -8,7 +8,7 @@ prefix the parity check ignores). Groupings: ``block`` (one group per block),
 ``set_unshard_in_backward(False)``, norm and output together; untied weights) and
 ``mem_eff_weight_tied`` (embedding and output together). Then the root. 10 steps: losses,
 parameters and gradients against a plain copy with explicit averaging. Upstream's replicate
-variant skipped its in-loop checks by a quirk (cases.md §3.5); here every kind checks them.
+variant skipped its in-loop checks by a quirk of the test; here every kind checks them.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""``model.to(float64)`` after sharding converts parameters and gradients (§2.3, §3.3).
+"""``model.to(float64)`` after sharding converts parameters and gradients.
 
 Under swap-tensors mode (``torch.__future__.set_swap_module_params_on_conversion``), the
 conversion swaps the registered DTensors: their local shards, global dtype and gradients are

@@ -1,4 +1,4 @@
-"""Misuse is refused at once, with an error that says what is wrong (cases.md §5.1 items 1, 6).
+"""Misuse is refused at once, with an error that says what is wrong.
 
 * a container without ``forward`` (``nn.ModuleList``) cannot be a group: its hooks would
   never run;
@@ -8,7 +8,7 @@
   group; 8 is larger than the group);
 * ``replicate`` refuses a module ``fully_shard`` already manages, and any mesh that is not 1-D.
 
-The weight tied across two groups (§2.8) is ``test_shared_params``'s.
+The weight tied across two groups is ``test_shared_params``'s.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The root moves forward inputs to the device; a root with no inputs works (§2.1, §3.1)."""
+"""The root moves forward inputs to the device; a root with no inputs works."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""``register_fsdp_forward_method``: a method other than ``forward`` gets the hooks (§2.13, §3.8).
+"""``register_fsdp_forward_method``: a method other than ``forward`` gets the hooks.
 
 The model calls ``vit.forward_features`` (never ``vit.forward``), so without registration
 the ViT's parameters would still be sharded DTensors when the convolution runs. The hooks

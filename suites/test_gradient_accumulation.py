@@ -1,14 +1,14 @@
-"""Gradient accumulation flags and their exact collective counts (§2.9 grid, §3.7).
+"""Gradient accumulation flags and their exact collective counts (upstream's grid).
 
 ``Sequential(Linear(32, 32), MLP(32) x 3)``: each MLP its own group, the root owning the
 first Linear (4 groups). 5 iterations of 3 microbatches; before each microbatch the flags
 are set (``last`` on the third): gradient sync (or, with ``rso``, only the HSDP all-reduce),
 and, without ``rab``, reshard-after-backward. Counts are summed over an iteration's
-microbatches and must equal the catalogue's formulas; every microbatch's collectives must be
+microbatches and must equal upstream's expected counts; every microbatch's collectives must be
 FSDP2's schedule for the flags then in force (``suites/schedule``); gradients equal the
 accumulated, averaged reference after each iteration.
 
-The replicate variant was vacuous upstream (every subtest returned early, cases.md §3.7);
+The replicate variant was vacuous upstream (every subtest returned early);
 here it checks what it meant: only all-reduces, 4 / 8 / 10 per iteration.
 """
 
@@ -32,7 +32,7 @@ OFFLOADS = ("none", "cpu", "cpu_pinned")
 
 
 def runs(raf, mode: str, rab: bool, offload: str, rso: bool, hsdp: bool) -> bool:
-    """The catalogue's early returns, as a filter."""
+    """The upstream grid's early returns (combinations it skips), as a filter."""
     if not rab and (raf is not False or mode == "some_mlps"):
         return False
     if offload != "none" and raf is not True:
@@ -124,7 +124,7 @@ def run_accumulation(rank_ctx, plan: ShardingPlan, manage, point: dict, expected
         ),
         expected=expected,
         schedule=plan,
-        # cases.md §2.9: odd iterations set gradients to None.
+        # As upstream: odd iterations set gradients to None.
         set_to_none=lambda iteration: iteration % 2 == 1,
     )
 

@@ -1,4 +1,4 @@
-"""HSDP training: shard within a replica group, all-reduce across replicas (§2.12).
+"""HSDP training: shard within a replica group, all-reduce across replicas.
 
 Mesh ``(replicate, shard)`` = ``(ws // 2, 2)`` named ``("dp_replicate", "dp_shard")``. Every
 child (the LayerNorm too), optionally checkpointed, is its own group, then the root. 5
@@ -46,7 +46,8 @@ HSDP_DIMS = ("dp_replicate", "dp_shard")
 
 
 def hsdp_model(dim: int) -> nn.Sequential:
-    """cases.md §2.12's model: a LayerNorm and three MLPs, every child its own group."""
+    """The upstream HSDP parity test's model: a LayerNorm and three MLPs, every child its own
+    group."""
     return nn.Sequential(
         nn.LayerNorm(dim, bias=False),
         MLP(dim, dim_multiplier=3),

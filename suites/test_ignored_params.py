@@ -1,4 +1,4 @@
-"""``fully_shard(ignored_params=...)``: the named parameters are left alone (§5.1 item 10).
+"""``fully_shard(ignored_params=...)``: the named parameters are left alone.
 
 An ignored parameter stays a plain local ``nn.Parameter`` (no ``DTensor``), is never
 all-gathered, and its gradient is not reduced: each rank keeps the gradient of its own

@@ -1,4 +1,4 @@
-"""1F1B-style microbatching: accumulate without resharding, sync on the last (§2.9, §3.7).
+"""1F1B-style microbatching: accumulate without resharding, sync on the last.
 
 Every block and the root keep parameters after forward; over 3 microbatches gradient sync,
 ``set_is_last_backward`` and (without ``rab``) reshard-after-backward are on only for the

@@ -1,5 +1,4 @@
-"""Mixed precision: the dtypes of the wire, the parameters, the gradients and the outputs
-(cases.md §2.5, §5.1 item 7).
+"""Mixed precision: the dtypes of the wire, the parameters, the gradients and the outputs.
 
 ``MixedPrecisionPolicy(param_dtype, reduce_dtype, output_dtype, cast_forward_inputs)``: the
 all-gather and the unsharded parameters are in ``param_dtype``, gradients are reduced in

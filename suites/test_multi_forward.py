@@ -1,4 +1,4 @@
-"""A module called twice in one forward (§2.4, §3.4).
+"""A module called twice in one forward.
 
 Upstream never passed its ``reshard_after_forward`` subtest value to ``fully_shard``, so its
 three subtests were one; here the value reaches both groups, so a group that reshards after

@@ -1,4 +1,4 @@
-"""A non-root module runs forward and backward standalone after a root step (§2.4, §3.4).
+"""A non-root module runs forward and backward standalone after a root step.
 
 ``Sequential(MLP(32) x 3)``, each MLP its own group and the root on top. A full step, then
 a 100 ms pause (the upstream device sleep; here the host waits, so a gradient reduction

@@ -1,4 +1,7 @@
-"""CPU offload (cases.md §2.4 multi_group_cpu_offload_eager, §2.12; §6.1).
+"""CPU offload: where every tensor lives between steps, on 1-D and HSDP meshes.
+
+The parity side of upstream's ``test_train_parity_multi_group_cpu_offload_eager`` is
+``test_training_parity``'s; here an MLP stack is checked tensor by tensor.
 
 With ``CPUOffloadPolicy`` the sharded parameters, their gradients and hence the optimizer
 state live on the CPU between steps; forward and backward run on the compute device (the

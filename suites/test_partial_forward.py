@@ -1,4 +1,4 @@
-"""Partial-group forward, standalone chunks and related structure cases (§2.5).
+"""Partial-group forward, standalone chunks and related structure cases.
 
 The hidden state is computed without the head (``skip_head=True``: the ``[norm, head]``
 group runs only part of its modules), then the head runs standalone per chunk with its own

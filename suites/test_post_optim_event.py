@@ -1,5 +1,5 @@
 """``set_post_optim_event``: the next all-gathers wait for an event recorded after the
-optimizer step instead of the whole stream (§2.4, §3.4).
+optimizer step instead of the whole stream (fully_shard and replicate).
 
 Needs real device events: skipped on CPU (cases.toml), where ``record_event()`` gives None.
 A step post-hook records the current stream's event and hands it to the root; the device is

@@ -1,4 +1,4 @@
-"""Prefetching: which all-gathers run early, and in which order (§2.4, §3.4; §5.1 items 5, 6).
+"""Prefetching: which all-gathers run early, and in which order.
 
 Prefetching changes no number, so these cases hold the implementation to FSDP2's schedule
 (``suites/schedule``) every step, next to the usual parity checks:

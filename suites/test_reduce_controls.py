@@ -1,4 +1,4 @@
-"""``set_gradient_divide_factor`` and ``set_force_sum_reduction_for_comms`` (§5.1 item 8).
+"""``set_gradient_divide_factor`` and ``set_force_sum_reduction_for_comms``.
 
 By default a reduced gradient is the sum over the data-parallel ranks divided by their number
 (shard size x replicate size). ``set_gradient_divide_factor(f)`` divides the sum by ``f``

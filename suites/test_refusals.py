@@ -1,4 +1,4 @@
-"""An implementation that does not declare a capability refuses it clearly (§5.1).
+"""An implementation that does not declare a capability refuses it clearly.
 
 Leaving a capability undeclared keeps its cases out of the pass rate (they are UNSUPPORTED),
 so it must not be a way to hide a broken feature: used anyway, the feature must raise an

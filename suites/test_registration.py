@@ -1,4 +1,4 @@
-"""Which form of each parameter is registered when (cases.md §2.2, §3.2; §5.1 item 2).
+"""Which form of each parameter is registered when, under fully_shard and replicate.
 
 Before forward parameters are ``Shard(0)`` DTensors over the world; after forward they are
 plain unsharded tensors iff the group does not reshard after forward (root + ``None`` keeps

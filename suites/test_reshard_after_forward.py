@@ -1,4 +1,4 @@
-"""``reshard_after_forward``: what a group keeps between forward and backward (§2.2, §5.1 item 2).
+"""``reshard_after_forward``: what a group keeps between forward and backward.
 
 ``True`` frees the unsharded parameters after forward, so backward all-gathers them again over
 the whole shard group; ``False`` keeps them; an int ``k`` keeps a ``1/k`` slice, so the

@@ -1,4 +1,4 @@
-"""``shard_placement_fn``: sharding on a dim other than 0 (§2.6, §2.7)."""
+"""``shard_placement_fn``: sharding on a dim other than 0."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""``share_comm_ctx``: several roots share one communication context (§2.14).
+"""``share_comm_ctx``: several roots share one communication context.
 
 Three MLPs each get ``fully_shard`` with no root above them, so each is its own root; their
 communication context is shared. The upstream stream-identity assertions read FSDP2's

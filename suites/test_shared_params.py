@@ -1,4 +1,4 @@
-"""Shared (tied) parameters (§2.8, §3.6).
+"""Shared (tied) parameters, under fully_shard and replicate.
 
 * parity: a weight-tied Transformer, blocks optionally checkpointed, 10 steps;
 * uneven shard: a tied 17-row weight over 4 ranks (the last rank holds padding) trains

@@ -1,4 +1,4 @@
-"""Training parity with one and several groups (cases.md §2.4, §3.4; §5.1 items 3 and 4).
+"""Training parity with one and several groups, under fully_shard and replicate.
 
 Every case trains 10 Adam steps next to a plain copy with explicit gradient averaging, on
 different data per rank (seed ``42 + rank + 1``): losses every step, parameters and
@@ -6,7 +6,7 @@ gradients shard by shard every step, and every step's collectives against FSDP2'
 for the sharding plan (``suites/schedule``: kind, ranks, dtype, elements per rank, and where
 each is issued relative to the modules' forward and backward).
 Unlike the replicate upstream tests, the optimizer steps before ``zero_grad`` (the upstream
-order made every step a no-op, cases.md §3), and parameters are compared after each step.
+order made every step a no-op), and parameters are compared after each step.
 
 Multi-group cases inject the upstream delays: 100 ms before each all-gather, before each
 gradient reduction (the all-reduce for replicate), after forward and before the optimizer;

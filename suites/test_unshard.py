@@ -1,4 +1,4 @@
-"""Explicit unsharding (§2.4, §2.5 ``set_unshard_in_backward``, §5.1 items 5 and 6).
+"""Explicit unsharding: ``unshard(async_op=True)``, ``set_unshard_in_backward``.
 
 * ``unshard(async_op=True)`` returns a handle *before* its all-gather has completed: one rank
   joins the all-gather only after every other rank's call has returned (they meet on a
@@ -127,7 +127,8 @@ def test_unshard_in_backward_false_skips_the_gather(rank_ctx, impl):
     plan = ShardingPlan(impl)
 
     def shard(model: nn.Module) -> None:
-        # cases.md §2.5's "mem_eff" grouping: embeddings' backward never reads their weights.
+        # The upstream checkpointing test's "mem_eff" grouping: embeddings' backward never
+        # reads their weights.
         plan.fully_shard([model.tok_embeddings, model.pos_embeddings])
         for layer in model.layers:
             plan.fully_shard(layer)

@@ -1,4 +1,4 @@
-"""At world size 1 sharding is the identity and issues no collective at all (§2.15).
+"""At world size 1 sharding is the identity and issues no collective at all.
 
 The schedule oracle expects nothing on the wire for a one-rank plan, so any collective
 fails the step."""

@@ -29,7 +29,7 @@ from suites.schedule import ScheduleRecorder, ShardingPlan
 
 STEPS = 10
 #: Injected delays: long enough that an unsynchronised consumer of a collective's result
-#: reads stale data, short enough for the slow run (cases.md uses 100 ms on GPU).
+#: reads stale data, short enough for the slow run (upstream sleeps 100 ms on the GPU).
 DELAY_S = 0.1
 #: ``Transformer.sum()`` over 3 x 64 x 1024 logits gives gradient entries around 2000 that
 #: cancel to single digits when averaged; a flat group buffer sums in another order than a
@@ -220,7 +220,7 @@ def train_with_parity(
         zero_grad(optimizer, step)
         reference.optimizer.step()
         zero_grad(reference.optimizer, step)
-        # The parameters moved: a zero_grad-before-step quirk (cases.md §3) would not.
+        # The parameters moved: the upstream replicate tests' zero_grad before step would not.
         assert_sharded_parity(
             reference.module, model, check_grads=False, prefixes_to_ignore=prefixes_to_ignore
         )
@@ -252,8 +252,9 @@ def train_width_stack(
 def transformer(
     n_layers: int = 3, *, device: torch.device | str | None = None, **overrides
 ) -> Transformer:
-    """The multi-group Transformer of cases.md §2.4 (vocab 1024, seq 64, no dropout), built
-    on ``device`` (``None``: the default device, for callers not yet converted)."""
+    """The Transformer the upstream multi-group parity test trains (vocab 1024, seq 64, no
+    dropout), built on ``device`` (``None``: the default device, for callers not yet
+    converted)."""
     args = dict(n_layers=n_layers, n_heads=4, vocab_size=1024, max_seq_len=64, dropout_p=0.0)
     args.update(overrides)
     with _on(device):
@@ -283,7 +284,7 @@ def local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
-# --- activation checkpointing, in three forms (cases.md §2.5) -----------------------------------
+# --- activation checkpointing, in three forms -------------------------------------------------
 
 
 def checkpoint_in_place(module: nn.Module) -> nn.Module:
@@ -323,7 +324,7 @@ def wrap_blocks_with_checkpoint(model: nn.Module) -> None:
         layers[index] = CheckpointWrapper(layer)
 
 
-# --- delays (cases.md §2.4 multi-group) ---------------------------------------------------------
+# --- delays (those of the upstream multi-group parity test) -------------------------------------
 
 DELAYS = ("after_forward", "before_all_gather", "before_reduce_scatter", "before_optim")
 

@@ -1,10 +1,10 @@
-"""Pipeline pieces shared by the composition suites (cases.md §4).
+"""Pipeline pieces shared by the composition suites.
 
-The models are the catalogue's ``MLPModule`` / ``MLPModuleEven``, stacked as a ``ModuleDict``
-keyed ``"0".."N-1"``; a stage holds a ``LayerChunk`` that keeps those keys, so every parameter
-keeps its original FQN (``layers.3.net1.weight``) whether it lives in the full model or in a
-stage. That is what lets gradients be compared by name with a single-process reference and a
-stage checkpoint be loaded into the whole model.
+The models are those of upstream's pipeline tests, ``MLPModule`` / ``MLPModuleEven``, stacked
+as a ``ModuleDict`` keyed ``"0".."N-1"``; a stage holds a ``LayerChunk`` that keeps those keys,
+so every parameter keeps its original FQN (``layers.3.net1.weight``) whether it lives in the
+full model or in a stage. That is what lets gradients be compared by name with a
+single-process reference and a stage checkpoint be loaded into the whole model.
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ class MLPModule(nn.Module):
 
 
 class MLPModuleEven(nn.Module):
-    """``dim -> dim -> dim -> 2*dim`` with a ReLU after each; under the TP plan of §4.2 the
+    """``dim -> dim -> dim -> 2*dim`` with a ReLU after each; under the 3-D TP+DP+PP plan the
     column-parallel ``net3`` leaves a local ``dim``-wide output for the next layer."""
 
     def __init__(self, dim: int) -> None:
@@ -92,7 +92,7 @@ def whole_model(layers: nn.ModuleDict) -> LayerChunk:
 
 
 def squared_error(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """Summed squared error: the loss every pipeline case uses (a sum, like the catalogue's
+    """Summed squared error: the loss every pipeline case uses (a sum, like upstream's
     ``y.sum()``, but with the target in it so that the labels' transport is checked too)."""
     return (output - target).pow(2).sum()
 
@@ -394,8 +394,10 @@ def gradient_mismatches(
         ref_param = reference.get_parameter(name)
         if param.grad is None or ref_param.grad is None:
             if (param.grad is None) != (ref_param.grad is None):
-                problems.append(f"gradient of {name!r}: stage has {param.grad is not None}, "
-                                f"reference has {ref_param.grad is not None}")
+                problems.append(
+                    f"gradient of {name!r}: stage has {param.grad is not None}, "
+                    f"reference has {ref_param.grad is not None}"
+                )
             continue
         grad = param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad
         expected = local_shard(ref_param.grad, param).to(grad.dtype)

@@ -1,4 +1,4 @@
-"""Distributed checkpoints of sharded models and optimizers (cases.md §4.1, §5.1 item 9).
+"""Distributed checkpoints of sharded models and optimizers, pipeline stages included.
 
 Saved and loaded with ``torch.distributed.checkpoint`` and the public helpers of
 ``torch.distributed.checkpoint.state_dict`` (``get_state_dict`` / ``set_state_dict``).

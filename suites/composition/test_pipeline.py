@@ -1,4 +1,4 @@
-"""Pipeline schedules composed with data parallelism (cases.md §4.2-§4.4, §5.1 item 9).
+"""Pipeline schedules composed with data parallelism (``fully_shard``, ``replicate``, and TP).
 
 Every data-parallel replica trains on its own data, and every rank replays all replicas on a
 single-process copy of the whole model (``MicrobatchReference``), so each check is local:
@@ -16,13 +16,15 @@ single-process copy of the whole model (``MicrobatchReference``), so each check 
   with a forward of microbatch ``n`` that does not exist (read in the source; the schedule
   itself runs ``F0 B0 F1 B1 ...`` there, which this check confirms).
 
-Unlike the catalogue's §4.4, the replicas' data differ (it broadcasts one batch to all), so a
-missing or doubled data-parallel average changes the gradients. Two optimizer steps (AdamW as
-in §4) so the second step checks parameters updated from those gradients too.
+Unlike upstream's ``test_replicate_pp_grads``, the replicas' data differ (it broadcasts one
+batch to all), so a missing or doubled data-parallel average changes the gradients. Two
+optimizer steps (AdamW, as upstream's pipeline tests use) so the second step checks parameters
+updated from those gradients too.
 
-§4.2 (3-D TP+DP+PP) has no numeric reference upstream: the column-parallel ``net3`` hands a
-local half-width output to the next layer, which makes a different function from the
-unparallelised model. It must run without error or hang; the losses must be finite.
+3-D TP+DP+PP (upstream's ``test_3d_with_tp_dp_pp``) has no numeric reference upstream: the
+column-parallel ``net3`` hands a local half-width output to the next layer, which makes a
+different function from the unparallelised model. It must run without error or hang; the
+losses must be finite.
 """
 
 from __future__ import annotations
@@ -70,7 +72,6 @@ FP32_GRAD_TOLERANCE = (1e-4, 1e-5)
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-
 def adamw(params) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=0.01, betas=(0.9, 0.95), weight_decay=0.1, foreach=True)
 
@@ -96,7 +97,7 @@ def mixed_precision(impl, dtype: torch.dtype):
 
 
 def data_parallel_per_layer(impl, kind: str, dp_mesh, mp_policy):
-    """Each layer of a stage its own group, then the stage root (the catalogue's recipe)."""
+    """Each layer of a stage its own group, then the stage root (upstream's recipe)."""
 
     def distribute(chunk: LayerChunk) -> None:
         for module in [*chunk.layers.values(), chunk]:
@@ -245,7 +246,7 @@ def check_executed_order(schedule: str, layout: PipelineLayout, executed: Execut
     )
 
 
-# --- §4.2: TP + DP + PP -------------------------------------------------------------------------
+# --- TP + DP + PP -------------------------------------------------------------------------------
 
 
 def three_d_grid() -> list:

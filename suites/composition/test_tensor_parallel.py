@@ -1,4 +1,4 @@
-"""Tensor parallel composed with fully_shard and replicate (cases.md §2.10, §2.11, §3.9).
+"""Tensor parallel composed with fully_shard (2-D and 3-D HSDP meshes) and replicate.
 
 The MLP stack is first parallelised with ``torch.distributed.tensor.parallel`` (its
 parameters become DTensors on the ``tp`` mesh), then the data-parallel implementation puts its
@@ -44,7 +44,7 @@ def adam(params) -> torch.optim.Optimizer:
 
 
 def mlp_stack_tp_plan() -> dict:
-    """The catalogue's plan for ``MLPStack`` without sequence parallel."""
+    """Upstream ``MLPStack``'s TP plan without sequence parallel."""
     plan: dict = {}
     for index in range(3):
         plan[f"{index}.in_proj"] = ColwiseParallel(use_local_output=False)
@@ -194,13 +194,13 @@ def test_replicate_tp(rank_ctx, impl, ac, mlp_dim):
     assert_meshes(model, names)
 
 
-# --- shard_placement_fn with TP (§2.10 test_shard_placement_fn_tp_ep) -------------------------
+# --- shard_placement_fn with TP (upstream test_shard_placement_fn_tp_ep) ------------------------
 
 TP_EP_ARGS = ModelArgs(n_layers=2, vocab_size=256, max_seq_len=32, dim=64, n_heads=4, dropout_p=0.0)
 
 
 def parallelize_transformer(model: Transformer, tp_mesh) -> None:
-    """The catalogue's TP plan for the dense Transformer (§1.4), attention outputs kept as
+    """The TP plan upstream uses for its dense test Transformer, attention outputs kept as
     DTensors (``local_output_for_attn=False``), weight tying re-applied."""
     parallelize_module(
         model,
@@ -244,7 +244,7 @@ def tp_ep_grid() -> list:
 @conformance("fsdp.tp.shard_placement_fn_tp_ep")
 @pytest.mark.parametrize(("tp", "dp_replicate", "reshard"), tp_ep_grid())
 def test_shard_placement_fn_tp_ep(rank_ctx, impl, tp, dp_replicate, reshard):
-    """The dense part of the catalogue's case: blocks sharded through ``shard_placement_fn``,
+    """The dense part of the upstream test: blocks sharded through ``shard_placement_fn``,
     the tied embedding/output/norm as one group, the root, on 1-D, HSDP and TP meshes.
 
     Expert parallelism is left out: the expert parameters' own FSDP mesh is chosen by

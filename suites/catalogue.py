@@ -1,0 +1,282 @@
+"""The case catalogue: ``docs/cases.md`` rendered from the case table (``suites/cases.toml``).
+
+``python -m suites.catalogue`` writes it; ``python -m suites.catalogue --check`` exits non-zero
+when the committed file differs from what the table renders to (``tests/suites/test_catalogue.py``
+runs the same check). The table is read like the suites read it (:func:`suites.cases.read_cases`:
+known capabilities, a description on every row), so a row without a description fails here too.
+
+Cases are grouped by the ``# --- area ---`` comment lines of the table, in table order; for each
+the catalogue gives its description, the upstream test it mirrors, its world sizes, the
+capabilities it needs (also per grid value), what a CPU run does with it and the suite function
+that implements it (found by reading the module for ``@conformance("<id>")``, without importing
+it). The profiles come first, the generated one-capability extensions included.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import re
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from harness.conformance.report import Profile
+from suites.cases import CASES_FILE, LAUNCHERS, Case, parse_profiles, read_cases, with_extensions
+
+SUITES_DIR = Path(__file__).resolve().parent
+REPO_ROOT = SUITES_DIR.parent
+CATALOGUE_FILE = REPO_ROOT / "docs" / "cases.md"
+COMMAND = "python -m suites.catalogue"
+
+_AREA_LINE = re.compile(r"^# -{3} (?P<title>.+?) -*$")
+_CASE_LINE = re.compile(r"""^\[case\.(?P<quote>["'])(?P<id>.+?)(?P=quote)\]""")
+OTHER_AREA = "other cases"
+
+
+def case_areas(text: str) -> dict[str, str]:
+    """Each case id's area: the title of the last ``# --- title ---`` line above its row."""
+    areas: dict[str, str] = {}
+    area = OTHER_AREA
+    for line in text.splitlines():
+        if match := _AREA_LINE.match(line):
+            area = match.group("title")
+        elif match := _CASE_LINE.match(line):
+            areas[match.group("id")] = area
+    return areas
+
+
+def conformance_functions(module: Path) -> dict[str, str]:
+    """``case id -> function name`` for the functions of ``module`` decorated
+    ``@conformance("<id>")`` (read from the source; nothing is imported)."""
+    tree = ast.parse(module.read_text(), filename=str(module))
+    found: dict[str, str] = {}
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            continue
+        for decorator in node.decorator_list:
+            if (
+                isinstance(decorator, ast.Call)
+                and isinstance(decorator.func, ast.Name)
+                and decorator.func.id == "conformance"
+                and decorator.args
+                and isinstance(decorator.args[0], ast.Constant)
+                and isinstance(decorator.args[0].value, str)
+            ):
+                found[decorator.args[0].value] = node.name
+    return found
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|")
+
+
+def _code(text: str) -> str:
+    return f"`{text}`"
+
+
+def _implementation(row: Case, suites_dir: Path) -> str:
+    if not row.suite:
+        return "not implemented (recorded only)"
+    module = suites_dir / f"{row.suite}.py"
+    if not module.is_file():
+        raise ValueError(f"case {row.case_id!r}: suite module {module} does not exist")
+    function = conformance_functions(module).get(row.case_id)
+    if function is None:
+        raise ValueError(
+            f"case {row.case_id!r}: {module.name} has no function decorated "
+            f"@conformance({row.case_id!r})"
+        )
+    return f"`suites/{row.suite}.py::{function}`"
+
+
+def _world_sizes(row: Case) -> str:
+    text = ", ".join(str(size) for size in row.world_sizes)
+    if row.launchers != LAUNCHERS:
+        text += f" ({', '.join(sorted(row.launchers))} launcher only)"
+    return text
+
+
+def _capabilities(row: Case) -> str:
+    if row.only_undeclared:
+        parts = ["one item per capability the implementation does not declare"]
+    else:
+        parts = [", ".join(_code(cap) for cap in row.requires) or "none"]
+    for token, extra in row.param_requires.items():
+        parts.append(f"items with {_code(token)} need {', '.join(_code(cap) for cap in extra)}")
+    return "; ".join(parts)
+
+
+def _upstream(row: Case) -> str:
+    """The upstream test's dotted name as code, any note after it as text."""
+    match = re.fullmatch(r"(?P<name>[A-Za-z_][\w.]*)(?P<note>.*)", row.upstream)
+    if match is None:  # "(none: ...)"
+        return row.upstream or "(none)"
+    return _code(match.group("name")) + match.group("note")
+
+
+def _strip_cpu(reason: str) -> str:
+    return reason.removeprefix("CPU:").strip()
+
+
+def _cpu(row: Case) -> str:
+    if not row.cpu:
+        return f"skipped: {_strip_cpu(row.cpu_reason)}"
+    if not row.cpu_skip:
+        return "runs"
+    skips = "; ".join(
+        f"{_code(token)} skipped: {_strip_cpu(reason)}" for token, reason in row.cpu_skip.items()
+    )
+    return f"runs; {skips}"
+
+
+def _profile_rows(profiles: Sequence[Profile]) -> list[str]:
+    lines = [
+        "| profile | required | capabilities | description |",
+        "|---|---|---|---|",
+    ]
+    for profile in profiles:
+        lines.append(
+            "| "
+            + " | ".join(
+                [
+                    _code(profile.name),
+                    "yes" if profile.required else "no",
+                    ", ".join(_code(cap) for cap in profile.capabilities),
+                    _cell(" ".join(profile.description.split())),
+                ]
+            )
+            + " |"
+        )
+    return lines
+
+
+def _anchor(title: str) -> str:
+    """GitHub's heading anchor: lower case, punctuation dropped, spaces to hyphens."""
+    return re.sub(r"[^\w\- ]", "", title.lower()).replace(" ", "-")
+
+
+def render(text: str, cases: dict[str, Case], *, suites_dir: Path = SUITES_DIR) -> str:
+    """The catalogue for the table ``text`` whose parsed cases are ``cases``."""
+    from impl.api import KNOWN_CAPABILITIES
+
+    profiles = with_extensions(
+        parse_profiles(text, known_capabilities=KNOWN_CAPABILITIES), KNOWN_CAPABILITIES
+    )
+    areas = case_areas(text)
+    grouped: dict[str, list[Case]] = {}
+    for case_id, row in cases.items():
+        grouped.setdefault(areas.get(case_id, OTHER_AREA), []).append(row)
+
+    lines = [
+        f"<!-- Generated from suites/cases.toml by `{COMMAND}`; do not edit by hand. -->",
+        "",
+        "# Conformance case catalogue",
+        "",
+        f"Every conformance case of the suites: {len(cases)} cases, one per row of "
+        "`suites/cases.toml`, grouped by area. Edit the table, then run "
+        f"`{COMMAND}` to regenerate this file; `{COMMAND} --check` (and "
+        "`tests/suites/test_catalogue.py`) fails while it is out of date.",
+        "",
+        "Columns of the case tables:",
+        "",
+        "- **upstream**: the upstream PyTorch test the case mirrors, or `(none: ...)` for a "
+        "behaviour upstream leaves untested.",
+        "- **world sizes**: one pytest item per size; grid points outside the case's `fast` "
+        'patterns run only in the slow run (`-m "slow or not slow"`).',
+        "- **capabilities**: what the implementation must declare "
+        "(`impl.api.KNOWN_CAPABILITIES`); an item needing one it does not declare is skipped "
+        "`UNSUPPORTED`. A grid value (a token of the item's parameter id) can add more.",
+        "- **CPU**: what a `--device cpu` run does with the case's items (`CPU:` skips).",
+        '- **implemented by**: the suite function decorated `@conformance("<case id>")`.',
+        "",
+        "## Profiles",
+        "",
+        "A case item belongs to a required profile when every capability it needs is one of the "
+        "profile's (or it needs none), otherwise to the extension named after each other "
+        "capability it needs. Every capability no profile of the table lists is an extension "
+        "of its own.",
+        "",
+        *_profile_rows(profiles),
+        "",
+        "## Cases",
+        "",
+    ]
+    for area, rows in grouped.items():
+        lines.append(f"- [{area}](#{_anchor(area)}) ({len(rows)})")
+    lines.append("")
+    for area, rows in grouped.items():
+        lines += [
+            f"### {area}",
+            "",
+            "| case | what it checks | upstream | world sizes | capabilities | CPU "
+            "| implemented by |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for row in rows:
+            cells = [
+                _code(row.case_id),
+                row.description,
+                _upstream(row),
+                _world_sizes(row),
+                _capabilities(row),
+                _cpu(row),
+                _implementation(row, suites_dir),
+            ]
+            lines.append("| " + " | ".join(_cell(cell) for cell in cells) + " |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def render_file(cases_file: Path = CASES_FILE) -> tuple[str, int]:
+    """The catalogue for a case table file validated like the project's table (its suites are
+    looked up in ``suites/``), and its number of cases."""
+    cases = read_cases(cases_file)
+    return render(cases_file.read_text(), cases), len(cases)
+
+
+def _display(path: Path) -> str:
+    try:
+        return str(path.resolve().relative_to(REPO_ROOT))
+    except ValueError:
+        return str(path)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog=COMMAND, description="Render docs/cases.md from suites/cases.toml."
+    )
+    parser.add_argument(
+        "--check",
+        action="store_true",
+        help="write nothing; exit 1 if the catalogue file is missing or out of date",
+    )
+    parser.add_argument("--cases", type=Path, default=CASES_FILE, help=argparse.SUPPRESS)
+    parser.add_argument("--output", type=Path, default=CATALOGUE_FILE, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    try:
+        rendered, n_cases = render_file(args.cases)
+    except ValueError as error:  # tomllib.TOMLDecodeError included
+        print(f"{_display(args.cases)}: {error}", file=sys.stderr)
+        return 2
+    output = args.output
+    if args.check:
+        current = output.read_text() if output.is_file() else None
+        if current != rendered:
+            state = "is missing" if current is None else "is out of date"
+            print(
+                f"{_display(output)} {state} with {_display(args.cases)}: "
+                f"run `{COMMAND}` and commit the result",
+                file=sys.stderr,
+            )
+            return 1
+        print(f"{_display(output)} is up to date")
+        return 0
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_text(rendered)
+    print(f"wrote {_display(output)} ({n_cases} cases)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
