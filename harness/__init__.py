@@ -20,15 +20,15 @@ from typing import Any
 
 _EXPORTS = {
     "ConfigError": "harness.config",
-    "DeviceAudit": "harness.device_audit",
-    "DeviceAuditError": "harness.device_audit",
+    "DeviceAudit": "harness.rank.device_audit",
+    "DeviceAuditError": "harness.rank.device_audit",
     "DistributedFailure": "harness.report",
     "Outcome": "harness.outcomes",
-    "RankContext": "harness.rank_context",
-    "RankLocal": "harness.rank_context",
+    "RankContext": "harness.rank.context",
+    "RankLocal": "harness.rank.context",
     "RankResult": "harness.outcomes",
     "RunResult": "harness.outcomes",
-    "get_rank_context": "harness.rank_context",
+    "get_rank_context": "harness.rank.context",
     "launch": "harness.api",
     "run_on_ranks": "harness.api",
 }

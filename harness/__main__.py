@@ -1,27 +1,44 @@
-"""``python -m harness COMMAND``: command-line entry points of the harness.
+"""``python -m harness COMMAND``: the command-line entry points installed with distconform.
 
-- ``conformance``: run the conformance suites and write the report
-  (``python -m harness conformance --help``).
+Commands are found through the ``distconform.commands`` entry points (``conformance`` is
+the conformance package's ``conformance.cli:main``), so the harness imports none of the
+packages built on it.
 """
 
 from __future__ import annotations
 
 import sys
+from importlib.metadata import entry_points
 
-_USAGE = "usage: python -m harness conformance [options] [pytest args]  (--help for options)"
+GROUP = "distconform.commands"
+
+
+def _commands() -> dict[str, object]:
+    return {entry.name: entry for entry in entry_points(group=GROUP)}
+
+
+def _usage(commands: dict[str, object]) -> str:
+    names = " | ".join(sorted(commands)) or "(none installed)"
+    return f"usage: python -m harness {{{names}}} [options]  (COMMAND --help for its options)"
 
 
 def main(argv: list[str]) -> int:
+    commands = _commands()
     if not argv or argv[0] in ("-h", "--help"):
-        print(_USAGE)
+        print(_usage(commands))
         return 0 if argv else 2
-    command, rest = argv[0], argv[1:]
-    if command == "conformance":
-        from harness.conformance.cli import main as conformance_main
-
-        return conformance_main(rest)
-    print(f"unknown command {command!r}\n{_USAGE}", file=sys.stderr)
-    return 2
+    name, rest = argv[0], argv[1:]
+    entry = commands.get(name)
+    if entry is None:
+        hint = (
+            " (no command is installed: reinstall distconform with "
+            "`pip install -c constraints.txt -e .`)"
+            if not commands
+            else ""
+        )
+        print(f"unknown command {name!r}{hint}\n{_usage(commands)}", file=sys.stderr)
+        return 2
+    return int(entry.load()(rest))
 
 
 if __name__ == "__main__":

@@ -7,10 +7,13 @@ version it was not audited for, with a message that says what to re-audit; a tes
 
 Nothing else in ``harness/`` may import a private torch module or touch an
 underscore attribute of torch. torch's internal testing package is never imported.
+The private modules are imported inside the accessors, after the version check, so that
+another torch version gets the audit's message instead of an ImportError.
 """
 
 from __future__ import annotations
 
+import sys
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -47,7 +50,7 @@ def require_audited_torch(accessor: str) -> None:
 def live_process_groups() -> list[torch.distributed.ProcessGroup]:
     """Every process group this process's c10d world knows, the default group included."""
     require_audited_torch("live_process_groups")
-    from torch.distributed import distributed_c10d
+    from torch.distributed import distributed_c10d  # after the version check
 
     return list(distributed_c10d._world.pg_map.keys())
 
@@ -118,9 +121,7 @@ _autograd_multithreading_before = True
 
 
 def _thread_local_world_class() -> type:
-    import threading
-
-    from torch.distributed import distributed_c10d
+    from torch.distributed import distributed_c10d  # after the version check
 
     base = distributed_c10d._World
     found = {name for name, value in vars(base).items() if isinstance(value, property)}
@@ -162,7 +163,7 @@ def install_thread_local_c10d_world() -> None:
     global _installed_thread_world, _replaced_c10d_world, _thread_world_installs
     global _autograd_multithreading_before
     require_audited_torch("install_thread_local_c10d_world")
-    from torch.distributed import distributed_c10d
+    from torch.distributed import distributed_c10d  # after the version check
 
     with _thread_world_lock:
         if _thread_world_installs == 0:
@@ -181,7 +182,7 @@ def uninstall_thread_local_c10d_world() -> None:
     """Undo one install; the last one restores c10d's world, isolation mode and autograd."""
     global _installed_thread_world, _replaced_c10d_world, _thread_world_installs
     require_audited_torch("uninstall_thread_local_c10d_world")
-    from torch.distributed import distributed_c10d
+    from torch.distributed import distributed_c10d  # after the version check
 
     with _thread_world_lock:
         if _thread_world_installs == 0:
@@ -212,7 +213,7 @@ def _mirror_groups_into_thread_registry(world: Any) -> None:
     resolve them through functional collectives while the thread world is installed.
     """
     global _mirrored
-    from torch.distributed import distributed_c10d
+    from torch.distributed import distributed_c10d  # after the version check
 
     names = []
     for group, name in list(world.pg_names.items()):
@@ -225,7 +226,7 @@ def _drop_mirrored_groups() -> None:
     # Still in isolation mode: only the installing thread's registry can be cleaned, and
     # only from that thread; elsewhere the entries are left (unused once isolation is off).
     global _mirrored
-    from torch.distributed import distributed_c10d
+    from torch.distributed import distributed_c10d  # after the version check
 
     if _mirrored is not None and _mirrored[0] == threading.get_ident():
         for name in _mirrored[1]:
@@ -235,7 +236,7 @@ def _drop_mirrored_groups() -> None:
 
 def thread_local_c10d_world_installed() -> bool:
     require_audited_torch("thread_local_c10d_world_installed")
-    from torch.distributed import distributed_c10d
+    from torch.distributed import distributed_c10d  # after the version check
 
     return _thread_world_installs > 0 and distributed_c10d._world is _installed_thread_world
 
@@ -257,7 +258,7 @@ def unbind_thread_c10d_world() -> None:
         world._local.state = None  # type: ignore[attr-defined]
 
 
-# --- DTensor caches that outlive the process groups they name (harness/hygiene.py) ----------
+# --- DTensor caches that outlive the process groups they name (harness/rank/hygiene.py) ----------
 #
 # DeviceMesh compares and hashes by value (ranks, layout, device type, dim names), not by
 # the process groups behind it. DTensor's sharding propagation caches its results keyed by
@@ -277,12 +278,10 @@ def forget_dtensor_caches(device_type: str = "cpu") -> bool:
     accelerator ``device_type`` also the fast-path cache of the autograd device thread
     that runs backward on this rank's device.
     """
-    import sys
-
     require_audited_torch("forget_dtensor_caches")
     if "torch.distributed.tensor" not in sys.modules:
         return False
-    from torch.distributed.tensor import DTensor, _collective_utils, _redistribute
+    from torch.distributed.tensor import DTensor, _collective_utils, _redistribute  # as above
 
     torch._C._clear_DTensor_sharding_propagator_cache()
     propagator = DTensor._op_dispatcher.sharding_propagator
@@ -336,7 +335,7 @@ def dtensor_fast_path_cache_stats() -> tuple[int, int]:
 def torch_dispatch_mode_class() -> type:
     """torch's ``TorchDispatchMode`` base class (no public import path in 2.13)."""
     require_audited_torch("torch_dispatch_mode_class")
-    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._python_dispatch import TorchDispatchMode  # after the version check
 
     return TorchDispatchMode
 

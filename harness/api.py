@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -17,11 +16,9 @@ from harness.config import (
     device_count,
     resolve_backend,
 )
-from harness.deadline import pg_timeout_for
+from harness.launchers import build_task, pool_key, pool_manager
 from harness.outcomes import Outcome, RunResult
-from harness.pools import PoolKey, PoolManager
 from harness.report import DistributedFailure
-from harness.task import RankTask, pack_call
 
 
 def launch(
@@ -47,7 +44,7 @@ def launch(
     picklable. Inside ``fn``, ``harness.get_rank_context()`` gives the rank's context.
     Nothing is raised for a failing rank: inspect the returned :class:`RunResult`.
     ``device_audit`` fails ``fn`` on a rank when it creates a tensor without a device
-    (:mod:`harness.device_audit`).
+    (:mod:`harness.rank.device_audit`).
     """
     world_size = check_world_size(world_size)
     launcher = check_launcher(launcher)
@@ -66,17 +63,16 @@ def launch(
         )
     if deadline <= 0:
         raise ConfigError(f"deadline must be positive, got {deadline}")
-    payload, modules = pack_call(fn, tuple(args), dict(kwargs or {}))
-    task = RankTask(
+    task = build_task(
+        fn,
+        args,
+        kwargs,
         test_id=getattr(fn, "__qualname__", repr(fn)),
-        payload=payload,
-        modules=modules,
-        sys_path=tuple(p for p in sys.path if p),
         seed=seed,
-        pg_timeout=pg_timeout_for(deadline),
+        deadline=deadline,
         device_audit=device_audit,
     )
-    key = PoolKey(
+    key = pool_key(
         launcher=launcher,
         world_size=world_size,
         backend=backend,
@@ -84,9 +80,7 @@ def launch(
         threads_per_rank=threads_per_rank or default_threads_per_rank(world_size),
         rendezvous=rendezvous,
     )
-    from harness.pytest_run import make_pool
-
-    pools = PoolManager(lambda k: make_pool(k, echo=echo))
+    pools = pool_manager(echo)
     try:
         return pools.run(key, task, deadline=deadline, peer_grace=peer_grace)
     finally:

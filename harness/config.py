@@ -9,6 +9,9 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from harness.leasing import fake_device_count
+from harness.memory import parse_size
+
 LAUNCHERS = ("process", "thread", "external")
 THREADED_BACKEND = "threaded"
 DEFAULT_DEADLINE_S = 300.0
@@ -48,6 +51,8 @@ def check_launcher(launcher: str) -> str:
 
 
 def check_device_type(device_type: str) -> str:
+    # torch only when a device is named: the fork server's clients and the device leases
+    # read this module's constants without paying for torch.
     import torch
 
     try:
@@ -64,7 +69,7 @@ def check_device_type(device_type: str) -> str:
 
 def resolve_backend(launcher: str, backend: str | None, device_type: str) -> str:
     """The backend a run uses: the device's default unless one is named."""
-    import torch.distributed as dist
+    import torch.distributed as dist  # as in check_device_type
 
     if launcher == "thread":
         if backend not in (None, "auto", THREADED_BACKEND):
@@ -109,12 +114,10 @@ def device_count(device_type: str) -> int | None:
     """How many devices of this type the machine has; None means unlimited (CPU ranks)."""
     if device_type == "cpu":
         return None
-    from harness.leasing import fake_device_count
-
     fake = fake_device_count()
     if fake is not None:
         return fake
-    import torch
+    import torch  # as in check_device_type
 
     accelerator = torch.accelerator.current_accelerator(check_available=True)
     if accelerator is None or accelerator.type != device_type:
@@ -153,3 +156,13 @@ def parse_world_sizes(text: str | None) -> tuple[int, ...] | None:
     for size in sizes:
         check_world_size(size)
     return sizes
+
+
+def parse_memory_limit(value: object, source: str) -> int | None:
+    """A per-rank memory limit (``"512MiB"``, bytes) from ``source``; None for none."""
+    if value is None:
+        return None
+    try:
+        return parse_size(value)
+    except ValueError as exc:
+        raise ConfigError(f"{source}: {exc}") from None

@@ -29,11 +29,11 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from harness import hygiene
 from harness.config import ConfigError
 from harness.outcomes import Outcome, RankResult, RunResult, demote_secondary_failures
-from harness.rank_context import RankContext
-from harness.rank_exec import run_task_in_process
+from harness.rank import hygiene
+from harness.rank.context import RankContext
+from harness.rank.execute import run_task_in_process
 from harness.task import RankTask
 
 _REQUIRED_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")

@@ -1,17 +1,12 @@
-"""Per-rank memory limits: an allocation beyond the limit raises inside that rank.
+"""Memory sizes as users write them, and recognising a rank that ran out of memory.
 
-``RLIMIT_AS`` bounds a process's address space, and a rank has already mapped a lot of
-it (torch alone maps over a gigabyte of libraries), so the limit a test asks for is
-added to what the rank has mapped when the test starts. Process ranks only: threads
-share one address space.
+The parent's side of per-rank memory limits; the rank applies them with
+:mod:`harness.rank.memory_limit`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import re
-import resource
-from collections.abc import Iterator
 
 _UNITS = {
     "": 1,
@@ -51,27 +46,6 @@ def format_size(size: int) -> str:
         if size >= factor:
             return f"{size / factor:g} {unit}"
     return f"{size} B"
-
-
-def mapped_bytes() -> int:
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith("VmSize:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("VmSize not found in /proc/self/status")
-
-
-@contextlib.contextmanager
-def limited_memory(limit: int | None) -> Iterator[None]:
-    if limit is None:
-        yield
-        return
-    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
-    resource.setrlimit(resource.RLIMIT_AS, (mapped_bytes() + limit, hard))
-    try:
-        yield
-    finally:
-        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
 
 
 def looks_like_out_of_memory(error_type: str | None, message: str | None) -> bool:

@@ -51,6 +51,12 @@ class RankResult:
     note: str | None = None
     hygiene: list[str] = field(default_factory=list)
     warnings: list = field(default_factory=list)
+    #: The exception itself, for callers in the rank's own process (thread ranks); it
+    #: never crosses a process boundary, where only its type, message and traceback go.
+    error: BaseException | None = field(default=None, repr=False, compare=False)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "error": None}
 
     @property
     def duration(self) -> float | None:
@@ -103,6 +109,14 @@ class RunResult:
     def world_size(self) -> int:
         return len(self.results)
 
+    @property
+    def duration(self) -> float:
+        return self.finished_at - self.started_at
+
+    @property
+    def hung(self) -> bool:
+        return bool(self.by_outcome(Outcome.HUNG))
+
     def by_outcome(self, *outcomes: Outcome) -> list[RankResult]:
         return [r for r in self.results if r.outcome in outcomes]
 
@@ -136,6 +150,34 @@ class RunResult:
         # in a collective waiting for it, even when the timeout was recorded first.
         own_errors = [r for r in primaries if not r.comm_error] or primaries
         return min(own_errors, key=_event_time)
+
+    def describe(self) -> str:
+        """A compact account: one line per rank, the notes, then the failures' tracebacks.
+
+        The report users read is :class:`harness.report.DistributedFailure`'s; this one is
+        for code that drives ranks directly (``harness.threads.ThreadRunner``).
+        """
+        lines = [f"run on {self.world_size} ranks ({self.duration:.3f} s)"]
+        lines += [
+            f"  rank {r.rank}: {r.outcome.value} {r.summary()}".rstrip() for r in self.results
+        ]
+        lines += self.harness_notes
+        primary = self.primary_failure()
+        for r in [primary] if primary is not None else self.by_outcome(*BAD_OUTCOMES):
+            lines.append(f"--- rank {r.rank} ({r.outcome.value}) ---")
+            lines.append((r.traceback or "").rstrip())
+            if r.stacks:
+                lines.append("stack at the deadline:\n" + r.stacks.rstrip())
+        return "\n".join(lines)
+
+    def raise_on_failure(self) -> None:
+        """Raise :class:`RunFailedError` (its message is :meth:`describe`) unless ``ok``."""
+        if not self.ok:
+            raise RunFailedError(self.describe())
+
+
+class RunFailedError(AssertionError):
+    """A run driven without pytest did not pass on every rank."""
 
 
 def _event_time(result: RankResult) -> float:

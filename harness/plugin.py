@@ -1,15 +1,17 @@
 """pytest plugin: options, markers, the world-size parametrization and the fixtures.
 
-Registered through the ``pytest11`` entry point ``distconform``. Running a marked
-test on its ranks lives in :mod:`harness.pytest_run`; the end-of-run table in
-:mod:`harness.summary`.
+Registered through the ``pytest11`` entry point ``distconform``. This module only holds
+options, markers, the world-size parametrization and the fixtures; at configure time it
+registers the plugins that do the work: :mod:`harness.pytest_run` (its hooks run a marked
+test on its ranks) and :mod:`harness.summary` (the end-of-run table). The session's state
+lives in :mod:`harness.session`. Nothing below imports this module.
 """
 
 from __future__ import annotations
 
 import pytest
 
-from harness import pytest_run, summary
+from harness import backend_plugins, hookspecs, pytest_run, summary
 from harness.config import (
     LAUNCHERS,
     ConfigError,
@@ -17,16 +19,20 @@ from harness.config import (
     check_device_type,
     check_launcher,
     check_world_size,
+    parse_memory_limit,
     parse_world_sizes,
     resolve_backend,
 )
 from harness.deadline import configured_deadline
-from harness.memory import parse_size
-from harness.rank_context import RankContextPlaceholder
+from harness.rank.context import RankContextPlaceholder
+from harness.session import (
+    SETTINGS_KEY,
+    WORLD_SIZE_PARAM,
+    external_world,
+    world_size_of,
+)
 
-WORLD_SIZE_PARAM = "dist_world_size"
 _SLOW_MARKER = "slow: a long test (world_size(..., slow=...) marks its slow sizes with it)"
-SETTINGS_KEY = pytest.StashKey[DistSettings]()
 
 _MARKERS = (
     "world_size(*sizes, slow=()): run the test body on every rank, once per world size "
@@ -133,9 +139,6 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="import MODULE in pytest and in every rank before the process group starts "
         "(a vendor's Backend.register_backend); repeatable",
     )
-    from harness.conformance import plugin as conformance_plugin
-
-    conformance_plugin.add_options(parser)
     parser.addini("dist_deadline", "default per-test deadline in seconds", default="")
     parser.addini("dist_launcher", "default launcher", default="process")
     parser.addini(
@@ -147,16 +150,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 @pytest.hookimpl(tryfirst=True)
-def pytest_cmdline_main(config: pytest.Config) -> None:
-    from harness.conformance import plugin as conformance_plugin
-
-    conformance_plugin.before_configure(config)
-
-
-@pytest.hookimpl(tryfirst=True)
 def pytest_addhooks(pluginmanager: pytest.PytestPluginManager) -> None:
-    from harness import hookspecs
-
     pluginmanager.add_hookspecs(hookspecs)
 
 
@@ -167,14 +161,10 @@ def pytest_configure(config: pytest.Config) -> None:
         # world_size(..., slow=...) adds this mark; a project with --strict-markers that
         # never declared it must not fail on our account.
         config.addinivalue_line("markers", _SLOW_MARKER)
-    from harness.conformance import backend_plugins
-    from harness.conformance import plugin as conformance_plugin
-
     try:
         backend_plugins.activate(config.getoption("backend_plugin"))
     except backend_plugins.BackendPluginError as exc:
         raise pytest.UsageError(f"distconform: {exc}") from None
-    conformance_plugin.register(config)
     try:
         settings = _settings_from(config)
     except ConfigError as exc:
@@ -208,18 +198,11 @@ def _settings_from(config: pytest.Config) -> DistSettings:
         fresh_pool=config.getoption("dist_fresh_pool"),
         peer_grace=grace,
         rendezvous=config.getoption("dist_rendezvous"),
-        memory_limit=_memory_limit(config.getoption("dist_memory_limit"), "--dist-memory-limit"),
+        memory_limit=parse_memory_limit(
+            config.getoption("dist_memory_limit"), "--dist-memory-limit"
+        ),
         device_audit=config.getoption("dist_device_audit") or config.getini("dist_device_audit"),
     )
-
-
-def _memory_limit(value: object, source: str) -> int | None:
-    if value is None:
-        return None
-    try:
-        return parse_size(value)
-    except ValueError as exc:
-        raise ConfigError(f"{source}: {exc}") from None
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
@@ -234,7 +217,7 @@ def pytest_report_header(config: pytest.Config) -> str | None:
         f"distconform: launcher {settings.launcher}, backend {settings.backend}, "
         f"device {settings.device_type}, seed {settings.seed}, deadline {settings.deadline:g} s"
     )
-    world = pytest_run.external_world(config)
+    world = external_world(config)
     if world is not None:
         header += f", rank {world.rank} of a torchrun world of {world.world_size}"
     return header
@@ -296,7 +279,7 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     wanted = config.stash[SETTINGS_KEY].world_sizes
-    world = pytest_run.external_world(config)
+    world = external_world(config)
     if world is not None:
         # Under torchrun the world size is fixed: only that parametrization can run.
         wanted = (world.world_size,)
@@ -312,19 +295,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
-    world = pytest_run.external_world(session.config)
+    world = external_world(session.config)
     if world is not None:
         try:
             world.check_same_collection([item.nodeid for item in session.items])
         except ConfigError as exc:
             raise pytest.UsageError(f"distconform: {exc}") from None
-
-
-def world_size_of(item: pytest.Item) -> int | None:
-    callspec = getattr(item, "callspec", None)
-    if callspec is None:
-        return None
-    return callspec.params.get(WORLD_SIZE_PARAM)
 
 
 @pytest.fixture
@@ -347,28 +323,3 @@ def rank_ctx(request: pytest.FixtureRequest) -> RankContextPlaceholder:
             f"@pytest.mark.world_size(...): rank_ctx only exists on ranks"
         )
     return RankContextPlaceholder()
-
-
-@pytest.hookimpl(tryfirst=True)
-def pytest_runtest_protocol(item: pytest.Item) -> None:
-    pytest_run.mark_started(item)
-
-
-def pytest_runtest_setup(item: pytest.Item) -> None:
-    if world_size_of(item) is not None:
-        pytest_run.check_resources(item)
-
-
-@pytest.hookimpl(tryfirst=True)
-def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
-    if world_size_of(pyfuncitem) is None:
-        return None
-    pytest_run.run_item(pyfuncitem)
-    return True
-
-
-@pytest.hookimpl(wrapper=True)
-def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
-    report = yield
-    pytest_run.decorate_report(item, call, report)
-    return report

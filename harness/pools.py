@@ -68,6 +68,7 @@ class PoolStartFailure(RuntimeError):
 
 PoolFactory = Callable[[PoolKey], RankPool]
 
+
 def env_fingerprint(environ: dict[str, str] | None = None) -> int:
     """A digest of the environment ranks inherit: a changed variable means a new pool.
 

@@ -1,4 +1,10 @@
-"""Running one ``world_size``-marked pytest item on its ranks and judging the result."""
+"""Running one ``world_size``-marked pytest item on its ranks and judging the result.
+
+The one control file between the plugin's hooks and the pools: the item becomes a
+:class:`~harness.task.RankTask` (:mod:`harness.launchers`), runs on a warm pool
+(:mod:`harness.pools`) or the torchrun world (:mod:`harness.external`), and its
+:class:`~harness.outcomes.RunResult` becomes pytest's verdict and report.
+"""
 
 from __future__ import annotations
 
@@ -6,27 +12,27 @@ import shlex
 import sys
 import threading
 import time
-from functools import partial
-from typing import TYPE_CHECKING
 
 import pytest
 
 from harness import summary
-from harness.config import ConfigError, DistSettings, device_count
-from harness.deadline import deadline_for, outer_limit_for, pg_timeout_for
-from harness.leasing import LeasedPool
+from harness.config import ConfigError, DistSettings, device_count, parse_memory_limit
+from harness.deadline import deadline_for, outer_limit_for
+from harness.launchers import build_task, pool_key, pool_manager
 from harness.outcomes import Outcome, RunResult
-from harness.pools import PoolKey, PoolManager, RankPool, env_fingerprint
 from harness.process.spawning import close_shared_zygote
 from harness.rank_warnings import filters_from_config, reemit
 from harness.report import DistributedFailure
-from harness.task import RankTask, TaskPackingError, pack_call
+from harness.session import (
+    EXTERNAL_KEY,
+    POOLS_KEY,
+    external_world,
+    pools_of,
+    settings_of,
+    world_size_of,
+)
+from harness.task import TaskPackingError
 
-if TYPE_CHECKING:
-    from harness.external import ExternalWorld
-
-POOLS_KEY = pytest.StashKey[PoolManager]()
-EXTERNAL_KEY = pytest.StashKey["ExternalWorld"]()
 RUN_KEY = pytest.StashKey[RunResult]()
 STARTED_KEY = pytest.StashKey[float]()
 
@@ -43,41 +49,13 @@ def _echo(text: str) -> None:
         sys.stdout.flush()
 
 
-def make_pool(key: PoolKey, *, echo) -> RankPool:
-    if key.launcher == "process":
-        from harness.process.pool import ProcessPool, ProcessPoolSpec
-
-        def process_pool(extra_env: dict[str, str]) -> RankPool:
-            spec = ProcessPoolSpec(
-                world_size=key.world_size,
-                backend=key.backend,
-                device_type=key.device_type,
-                threads_per_rank=key.threads_per_rank,
-                rendezvous=key.rendezvous,
-                env=(*key.env, *extra_env.items()),
-                echo=echo,
-            )
-            return ProcessPool(spec)
-
-        total = device_count(key.device_type)
-        if total is None:
-            return process_pool({})
-        # Accelerator ranks: lease devices so parallel pytest workers never share one.
-        return LeasedPool(key.device_type, key.world_size, total, process_pool)
-    if key.launcher == "thread":
-        from harness.threads.host import ThreadHostPool
-
-        return ThreadHostPool(key.world_size, echo=echo)
-    raise ConfigError(
-        f"the {key.launcher!r} launcher does not start ranks: under torchrun, the ranks "
-        f"already exist and each runs pytest with --launcher external"
-    )
-
-
 def configure(config: pytest.Config, settings: DistSettings) -> None:
+    """Register this module's hooks, and the pools (or the torchrun world) they run on."""
+    config.pluginmanager.register(sys.modules[__name__], "distconform-run")
     streaming = config.getoption("capture") == "no"
-    config.stash[POOLS_KEY] = PoolManager(partial(make_pool, echo=_echo if streaming else None))
+    config.stash[POOLS_KEY] = pool_manager(_echo if streaming else None)
     if settings.launcher == "external":
+        # torch.distributed is imported only by sessions that join a torchrun world.
         from harness.external import ExternalWorld
 
         world = ExternalWorld(settings.backend, settings.device_type)
@@ -85,12 +63,8 @@ def configure(config: pytest.Config, settings: DistSettings) -> None:
         config.stash[EXTERNAL_KEY] = world
 
 
-def external_world(config: pytest.Config) -> ExternalWorld | None:
-    return config.stash.get(EXTERNAL_KEY, None)
-
-
 def unconfigure(config: pytest.Config) -> None:
-    pools = config.stash.get(POOLS_KEY, None)
+    pools = pools_of(config)
     if pools is not None:
         pools.shutdown()
     close_shared_zygote()
@@ -99,21 +73,40 @@ def unconfigure(config: pytest.Config) -> None:
         world.close()
 
 
-def _settings(item: pytest.Item) -> DistSettings:
-    from harness.plugin import SETTINGS_KEY
-
-    return item.config.stash[SETTINGS_KEY]
+# --- hooks ---------------------------------------------------------------------------------
 
 
-def mark_started(item: pytest.Item) -> None:
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_protocol(item: pytest.Item) -> None:
     item.stash[STARTED_KEY] = time.monotonic()
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    if world_size_of(item) is not None:
+        check_resources(item)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
+    if world_size_of(pyfuncitem) is None:
+        return None
+    run_item(pyfuncitem)
+    return True
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    report = yield
+    decorate_report(item, call, report)
+    return report
+
+
+# --- one item on its ranks -----------------------------------------------------------------
 
 
 def check_resources(item: pytest.Item) -> None:
     """Skip in the parent, before any rank exists, when the machine cannot run the test."""
-    from harness.plugin import world_size_of
-
-    settings = _settings(item)
+    settings = settings_of(item.config)
     device_type = settings.device_type
     if settings.launcher == "external":
         return  # torchrun, not the harness, decided how many ranks and devices there are
@@ -133,11 +126,9 @@ def check_resources(item: pytest.Item) -> None:
 def memory_limit_for(item: pytest.Item) -> int | None:
     marker = item.get_closest_marker("memory_limit")
     if marker is None:
-        return _settings(item).memory_limit
-    from harness.plugin import _memory_limit
-
+        return settings_of(item.config).memory_limit
     try:
-        return _memory_limit(marker.args[0], "@pytest.mark.memory_limit")
+        return parse_memory_limit(marker.args[0], "@pytest.mark.memory_limit")
     except ConfigError as exc:
         raise pytest.UsageError(f"{item.nodeid}: {exc}") from None
 
@@ -146,7 +137,7 @@ def device_audit_for(item: pytest.Item) -> bool:
     """The ``device_audit`` marker, else --dist-device-audit / ini ``dist_device_audit``."""
     marker = item.get_closest_marker("device_audit")
     if marker is None:
-        return _settings(item).device_audit
+        return settings_of(item.config).device_audit
     enabled = marker.kwargs.get("enabled", marker.args[0] if marker.args else True)
     if len(marker.args) > 1 or set(marker.kwargs) - {"enabled"} or not isinstance(enabled, bool):
         raise pytest.UsageError(
@@ -156,40 +147,28 @@ def device_audit_for(item: pytest.Item) -> bool:
     return enabled
 
 
-def pool_key(settings: DistSettings, world_size: int) -> PoolKey:
-    return PoolKey(
-        launcher=settings.launcher,
-        world_size=world_size,
-        backend=settings.backend,
-        device_type=settings.device_type,
-        threads_per_rank=settings.threads_for(world_size),
-        rendezvous=settings.rendezvous,
-        env_fingerprint=env_fingerprint(),
-    )
-
-
 def run_item(item: pytest.Function) -> None:
-    from harness.plugin import world_size_of
-
-    settings = _settings(item)
+    settings = settings_of(item.config)
     world_size = world_size_of(item)
     kwargs = {name: item.funcargs[name] for name in item._fixtureinfo.argnames}
     deadline = deadline_for(item, settings.deadline)
     try:
-        payload, modules = pack_call(item.obj, (), kwargs)
+        task = build_task(
+            item.obj,
+            (),
+            kwargs,
+            test_id=item.nodeid,
+            seed=settings.seed,
+            deadline=deadline,
+            memory_limit=memory_limit_for(item),
+            # Rank threads share one warnings state: the thread launcher captures nothing.
+            warning_filters=filters_from_config(item.config)
+            if settings.launcher != "thread"
+            else (),
+            device_audit=device_audit_for(item),
+        )
     except TaskPackingError as exc:
         pytest.fail(str(exc), pytrace=False)
-    task = RankTask(
-        test_id=item.nodeid,
-        payload=payload,
-        modules=modules,
-        sys_path=tuple(p for p in sys.path if p),
-        seed=settings.seed,
-        pg_timeout=pg_timeout_for(deadline),
-        memory_limit=memory_limit_for(item),
-        warning_filters=filters_from_config(item.config) if settings.launcher != "thread" else (),
-        device_audit=device_audit_for(item),
-    )
     world = external_world(item.config)
     if world is not None:
         run = world.run(task, deadline)
@@ -197,8 +176,16 @@ def run_item(item: pytest.Function) -> None:
             item.session.shouldstop = world.broken_reason
     else:
         fresh = settings.fresh_pool or item.get_closest_marker("fresh_pool") is not None
+        key = pool_key(
+            launcher=settings.launcher,
+            world_size=world_size,
+            backend=settings.backend,
+            device_type=settings.device_type,
+            threads_per_rank=settings.threads_for(world_size),
+            rendezvous=settings.rendezvous,
+        )
         run = item.config.stash[POOLS_KEY].run(
-            pool_key(settings, world_size),
+            key,
             task,
             deadline=deadline,
             peer_grace=settings.peer_grace,
@@ -253,8 +240,6 @@ def _joined_reasons(run: RunResult, outcome: Outcome) -> str:
 
 def reproducer(item: pytest.Item, settings: DistSettings) -> str:
     if settings.launcher == "external":
-        from harness.plugin import world_size_of
-
         runner = ["torchrun", "--nproc-per-node", str(world_size_of(item))]
     else:
         runner = [sys.executable.rsplit("/", 1)[-1]]

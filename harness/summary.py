@@ -28,9 +28,6 @@ def configure(config: pytest.Config) -> None:
         config.pluginmanager.register(_SummaryReporter(config), "distconform-summary")
 
 
-
-
-
 def record(config: pytest.Config, nodeid: str, verdict: str, run: RunResult) -> None:
     config.stash[_ROWS_KEY].append(
         SummaryRow(

@@ -45,7 +45,7 @@ class RankTask:
     memory_limit: int | None = None
     # pytest's warning filters: (filter, whether its text is literal).
     warning_filters: tuple[tuple[str, bool], ...] = ()
-    # Fail device-less tensor factories in the test body (harness/device_audit.py).
+    # Fail device-less tensor factories in the test body (harness/rank/device_audit.py).
     device_audit: bool = False
 
 

@@ -89,8 +89,8 @@ def torch_fsdp_set_unshard_async_op(module: nn.Module, async_op: bool) -> None:
 def checkpoint_wrapper_api() -> tuple[Callable[..., Any], Callable[..., Any], str]:
     """torch's ``(checkpoint_wrapper, apply_activation_checkpointing, _CHECKPOINT_PREFIX)``.
 
-    The wrapper form of activation checkpointing (cases.md §2.5 "wrapper") lives in a private
-    module in 2.13; the prefix is what the wrapper inserts into parameter names.
+    The wrapper form of activation checkpointing (one form the activation-checkpointing cases
+    use) lives in a private module in 2.13; the prefix is what the wrapper inserts into parameter names.
     """
     require_audited_torch("checkpoint_wrapper_api")
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (

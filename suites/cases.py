@@ -43,14 +43,36 @@ from typing import Any
 
 import pytest
 
-from harness.conformance.report import CAPABILITIES_PROPERTY, CASE_PROPERTY, Profile
-from suites.plugin import CASE_MARKER
-
 CASES_FILE = Path(__file__).with_name("cases.toml")
+#: The marker ``@conformance`` puts on a suite function (registered by the conformance plugin).
+CASE_MARKER = "conformance_case"
+#: User properties of a test tied to a case, which the conformance report groups by profile.
+CASE_PROPERTY = "conformance_case"
+CAPABILITIES_PROPERTY = "capabilities"
 CPU_PREFIX = "CPU:"
 UNSUPPORTED_PREFIX = "UNSUPPORTED:"
 LAUNCHER_PREFIX = "LAUNCHER:"
 LAUNCHERS = frozenset({"process", "thread", "external"})
+
+
+@dataclass(frozen=True)
+class Profile:
+    """A set of capabilities whose cases are reported together: a required core or an
+    extension (``conformance.hookspecs.pytest_distconform_conformance_profiles``)."""
+
+    name: str
+    description: str
+    required: bool
+    capabilities: tuple[str, ...]
+
+    def as_hook_dict(self) -> dict[str, Any]:
+        """The form ``pytest_distconform_conformance_profiles`` returns."""
+        return {
+            "name": self.name,
+            "description": self.description,
+            "required": self.required,
+            "capabilities": list(self.capabilities),
+        }
 
 
 @dataclass(frozen=True)
@@ -238,6 +260,7 @@ def with_extensions(
 @functools.cache
 def load_profiles() -> tuple[Profile, ...]:
     """The project's profiles: those of the case table, then the generated extensions."""
+    # impl.api imports torch; the report's header needs the profiles before any test runs.
     from impl.api import KNOWN_CAPABILITIES
 
     profiles = parse_profiles(CASES_FILE.read_text(), known_capabilities=KNOWN_CAPABILITIES)
@@ -271,7 +294,7 @@ def case(case_id: str) -> Case:
 def conformance(case_id: str) -> Callable[[Callable], Callable]:
     """Tie a suite function to a case: its world sizes and its row of the case table.
 
-    Every case also runs under the harness's device audit (``harness/device_audit.py``): a
+    Every case also runs under the harness's device audit (``harness/rank/device_audit.py``): a
     tensor the suite creates without a device fails the case on CPU already, since on an
     accelerator run it would sit on the CPU, off the rank's device.
     """

@@ -21,8 +21,15 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from harness.conformance.report import Profile
-from suites.cases import CASES_FILE, LAUNCHERS, Case, parse_profiles, read_cases, with_extensions
+from suites.cases import (
+    CASES_FILE,
+    LAUNCHERS,
+    Case,
+    Profile,
+    parse_profiles,
+    read_cases,
+    with_extensions,
+)
 
 SUITES_DIR = Path(__file__).resolve().parent
 REPO_ROOT = SUITES_DIR.parent

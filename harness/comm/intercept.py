@@ -43,6 +43,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
+from torch.distributed.tensor import DTensor
 from torch.overrides import TorchFunctionMode
 
 from harness import _torch_private
@@ -61,6 +62,8 @@ from harness.comm.records import (
     functional_op_name,
     site_and_phase,
 )
+from harness.threads.observe import add_collective_listener
+from harness.threads.world import current_rank as thread_rank
 
 Proceed = Callable[[], Any]
 _WRAPPER_MARK = "_distconform_comm_original"
@@ -78,9 +81,7 @@ _registry_lock = threading.Lock()
 
 
 def _on_thread_launcher_rank() -> bool:
-    from harness.threads.world import current_rank
-
-    return current_rank() is not None
+    return thread_rank() is not None
 
 
 def _interceptors_here() -> list[Interceptor] | tuple[Interceptor, ...]:
@@ -215,8 +216,6 @@ def _dispatch_mode() -> Any:
     global _dispatch_mode_class
     if _dispatch_mode_class is None:
         base = _torch_private.torch_dispatch_mode_class()
-
-        from torch.distributed.tensor import DTensor
 
         def torch_dispatch(self, func, types, args=(), kwargs=None):
             kwargs = kwargs or {}
@@ -410,8 +409,6 @@ def _acquire_wrappers() -> None:
             _originals[(owner, name)] = vars(owner).get(name, _ABSENT)
             _wrappers[(owner, name)] = replacement
             setattr(owner, name, replacement)
-        from harness.threads.observe import add_collective_listener
-
         _listener_handle = add_collective_listener(_on_threaded_collective)
 
 

@@ -20,6 +20,7 @@ from harness.comm.records import (
     group_identity,
     wire_bytes,
 )
+from harness.rank.context import get_rank_context
 
 
 class CallNumbering:
@@ -238,8 +239,6 @@ def format_schedule(
 
 def current_rank() -> int:
     """The harness rank if inside one, else the c10d rank, else 0."""
-    from harness.rank_context import get_rank_context
-
     try:
         return get_rank_context().rank
     except RuntimeError:

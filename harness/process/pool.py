@@ -18,17 +18,19 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
+
+import torch.distributed as dist
 
 from harness.comm import flight as comm_flight
 from harness.outcomes import CLEAN_OUTCOMES, Outcome, RankResult, RunResult
 from harness.pools import PoolStartFailure
 from harness.process.output import RankOutput
+from harness.process.protocol import BETWEEN_TESTS_TIMEOUT_S, EXIT_PARENT_GONE, WorkerSpec
 from harness.process.spawning import RankHandle, start_rank, with_package_on_path
-from harness.process.worker import BETWEEN_TESTS_TIMEOUT_S, EXIT_PARENT_GONE, WorkerSpec
 from harness.task import RankTask
 
 # How long the parent waits for a rank's output after it has finished or died.
@@ -119,8 +121,6 @@ class ProcessPool:
         if self.spec.rendezvous == "file":
             return {"kind": "file", "path": os.path.join(self._tmpdir, "filestore")}
         if self.spec.rendezvous == "tcp":
-            import torch.distributed as dist
-
             # Bind the listening socket ourselves: TCPStore's host argument would
             # listen on every interface, and a guessed port can collide.
             listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -437,8 +437,6 @@ def sorted_results(results) -> list[RankResult]:
 
 
 def _with_task_id(task: RankTask, task_id: int) -> RankTask:
-    from dataclasses import replace
-
     return replace(task, task_id=task_id)
 
 

@@ -1,52 +1,27 @@
 """Entry point of a rank process: ``python -m harness.process.worker SPEC_JSON``.
 
 The rank joins the process group once, then serves tasks from the parent over its
-control connection until told to stop or until the parent disappears.
+control connection until told to stop or until the parent disappears. The module itself
+imports no torch: the fork server imports it first, to arm the parent-death signal and the
+stack dumps before the seconds torch takes to load; torch comes with serving.
 """
 
 from __future__ import annotations
 
 import ctypes
 import faulthandler
-import json
 import os
 import signal
 import sys
 import threading
-from dataclasses import dataclass
+from dataclasses import replace
 from datetime import timedelta
 from multiprocessing.connection import Connection
 from typing import Any
 
-# Exit code of a rank whose parent went away: distinguishable from a test's own exit.
-EXIT_PARENT_GONE = 70
-BETWEEN_TESTS_TIMEOUT_S = 30.0
+from harness.process.protocol import BETWEEN_TESTS_TIMEOUT_S, EXIT_PARENT_GONE, WorkerSpec
+
 _PR_SET_PDEATHSIG = 1
-
-
-@dataclass(frozen=True)
-class WorkerSpec:
-    rank: int
-    world_size: int
-    backend: str
-    device_type: str
-    launcher: str
-    threads: int
-    control_fd: int
-    stack_path: str
-    store: dict[str, Any]
-    init_timeout: float
-    parent_pid: int
-    sys_path: tuple[str, ...]
-
-    def to_json(self) -> str:
-        return json.dumps(self.__dict__)
-
-    @classmethod
-    def from_json(cls, text: str) -> WorkerSpec:
-        data = json.loads(text)
-        data["sys_path"] = tuple(data["sys_path"])
-        return cls(**data)
 
 
 def set_parent_death_signal(parent_pid: int) -> None:
@@ -88,7 +63,7 @@ def _install_stack_dumps(stack_path: str) -> None:
 
 
 def _make_store(store: dict[str, Any], world_size: int, timeout: timedelta) -> Any:
-    import torch.distributed as dist
+    import torch.distributed as dist  # torch only once serving: see the module docstring
 
     if store["kind"] == "file":
         return dist.FileStore(store["path"], world_size)
@@ -100,10 +75,11 @@ def _make_store(store: dict[str, Any], world_size: int, timeout: timedelta) -> A
 
 
 def _join_world(spec: WorkerSpec) -> Any:
+    # torch and what imports it only once serving: see the module docstring.
     import torch
     import torch.distributed as dist
 
-    from harness.rank_context import RankContext
+    from harness.rank.context import RankContext
 
     timeout = timedelta(seconds=spec.init_timeout)
     device = torch.device(spec.device_type)
@@ -140,14 +116,13 @@ def _send_result(conn: Connection, result: Any) -> None:
 
 
 def serve(spec: WorkerSpec) -> None:
-    import dataclasses
-
+    # torch and what imports it only once serving: see the module docstring.
     import torch
 
-    from harness import hygiene
     from harness.outcomes import CLEAN_OUTCOMES
     from harness.process.output import end_marker_line
-    from harness.rank_exec import run_task_in_process
+    from harness.rank import hygiene
+    from harness.rank.execute import run_task_in_process
 
     torch.set_num_threads(spec.threads)
     conn = Connection(spec.control_fd)
@@ -160,7 +135,7 @@ def serve(spec: WorkerSpec) -> None:
             return
         if task is None:
             return
-        ctx = dataclasses.replace(base_ctx, seed=task.seed)
+        ctx = replace(base_ctx, seed=task.seed)
         # harness/comm: this rank's collectives go to a trace file the parent reads on a hang.
         result = run_task_in_process(task, ctx, trace_dir=os.path.dirname(spec.stack_path))
         sys.stdout.flush()
@@ -182,11 +157,11 @@ def main(argv: list[str]) -> None:
         if entry not in sys.path:
             sys.path.insert(0, entry)
     # A vendor's backend registration must happen before this rank's init_process_group.
-    from harness.conformance.backend_plugins import import_from_environment
+    from harness.backend_plugins import import_from_environment
 
     import_from_environment()
     if spec.launcher == "thread":
-        from harness.threads.host import serve_thread_host
+        from harness.threads.host_main import serve_thread_host  # imports torch
 
         serve_thread_host(spec)
     else:

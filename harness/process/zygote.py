@@ -22,17 +22,19 @@ import signal
 import socket
 import sys
 
+from harness.process import worker
+
 _MAX_MESSAGE = 1 << 20
 FDS_PER_SPAWN = 3
 
 
 def _preload() -> None:
+    """Import once, before forking, what every rank needs: each fork starts with it loaded."""
     import torch
     import torch.distributed
     import torch.distributed.tensor  # noqa: F401
 
-    import harness.process.worker
-    import harness.rank_exec  # noqa: F401
+    import harness.rank.execute  # noqa: F401
 
 
 def _exit_status(status: int) -> int:
@@ -64,8 +66,6 @@ def _become_rank(request: dict, fds: list[int], sock: socket.socket, wakeup_r: i
     spec["control_fd"] = control_fd
     # Our parent is the zygote now; it dies with pytest, and we die with it.
     spec["parent_pid"] = os.getppid()
-    from harness.process import worker
-
     worker.main(["worker", json.dumps(spec)])
 
 
@@ -120,10 +120,8 @@ def _reap(children: set[int], sock: socket.socket) -> None:
 
 
 def main() -> None:
-    from harness.process.worker import set_parent_death_signal
-
     fd = int(sys.argv[1])
-    set_parent_death_signal(int(sys.argv[2]))
+    worker.set_parent_death_signal(int(sys.argv[2]))
     _preload()
     serve(socket.socket(fileno=fd))
     # Skip interpreter teardown with torch loaded (seconds): there is nothing to flush.

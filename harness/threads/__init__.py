@@ -5,9 +5,12 @@ Running code on rank threads::
     run_threaded(fn, world_size, *args, seed=0, deadline=120.0, **kwargs) -> RunResult
     with ThreadRunner(world_size, seed=0, deadline=120.0, capture_output=False) as runner:
         result = runner.run(fn, *args, deadline=None, **kwargs)   # -> RunResult
-    result.ok / result.values / result.ranks (RankRun per rank) / result.report()
-    result.raise_on_failure()                                     # ThreadRunError
+    result.ok / result.values / result.results (RankResult per rank) / result.describe()
+    result.raise_on_failure()                                     # RunFailedError
     runner.usable                                                 # False after a hang
+
+``RunResult`` and ``RankResult`` are :mod:`harness.outcomes`' (the process launcher's too);
+a thread rank's ``RankResult.error`` also holds the exception object it raised.
 
 ``harness.threads.pool.ThreadPool`` puts the runner behind ``harness.pools.RankPool``.
 
@@ -19,15 +22,7 @@ Observing collectives::
 
 from harness.threads.backend import BACKEND_NAME, ThreadedProcessGroup, register_threaded_backend
 from harness.threads.observe import CollectiveRecord, ListenerHandle, add_collective_listener
-from harness.threads.runner import (
-    RankOutcome,
-    RankRun,
-    RunnerUnusableError,
-    RunResult,
-    ThreadRunError,
-    ThreadRunner,
-    run_threaded,
-)
+from harness.threads.runner import RunnerUnusableError, ThreadRunner, run_threaded
 from harness.threads.world import (
     BatonError,
     CollectiveDeadlockError,
@@ -43,11 +38,7 @@ __all__ = [
     "CollectiveRecord",
     "ListenerHandle",
     "RankAbortedError",
-    "RankOutcome",
-    "RankRun",
-    "RunResult",
     "RunnerUnusableError",
-    "ThreadRunError",
     "ThreadRunner",
     "ThreadedProcessGroup",
     "add_collective_listener",

@@ -5,34 +5,25 @@ spinning in the pytest process for the rest of the session, so the threads live 
 host process forked from the fork server, like a process rank. The host runs each
 task on its :class:`~harness.threads.pool.ThreadPool` and sends back the judged
 ``RunResult``; when a run did not pass cleanly (a hung thread may still be spinning)
-the parent kills the host and the next test gets a new one.
+the parent kills the host and the next test gets a new one. This module is the
+parent's side; the host's own loop is :mod:`harness.threads.host_main`.
 """
 
 from __future__ import annotations
 
-import os
-import sys
 import time
-from dataclasses import dataclass, replace
-from multiprocessing.connection import Connection, wait
+from dataclasses import replace
+from multiprocessing.connection import wait
 from pathlib import Path
 
 from harness.outcomes import Outcome, RankResult, RunResult
 from harness.process.pool import ProcessPool, ProcessPoolSpec
-from harness.process.worker import WorkerSpec
+from harness.process.protocol import ThreadHostRun, WorkerSpec
 from harness.task import RankTask
 
 # Beyond the deadline the host's own runner reports a hung thread; this long again,
 # and the host process itself is considered stuck.
 _HOST_MARGIN_S = 10.0
-
-
-@dataclass(frozen=True)
-class ThreadHostRun:
-    task: RankTask
-    deadline: float
-    peer_grace: float
-    task_world_size: int
 
 
 class ThreadHostPool(ProcessPool):
@@ -109,53 +100,3 @@ class ThreadHostPool(ProcessPool):
         ]
         self.kill()
         return RunResult(results, task.seed, deadline, started, time.monotonic())
-
-
-def _host_error(request: ThreadHostRun, exc: Exception) -> RunResult:
-    """The thread pool itself failed: every rank gets the harness's own traceback."""
-    import traceback
-
-    now = time.monotonic()
-    text = "".join(traceback.format_exception(exc))
-    results = [
-        RankResult(
-            rank=rank,
-            outcome=Outcome.FAILED,
-            started_at=now,
-            finished_at=now,
-            error_type=type(exc).__qualname__,
-            error_message=f"the thread host could not run the test: {exc}",
-            traceback=text,
-        )
-        for rank in range(request.task_world_size)
-    ]
-    return RunResult(results, request.task.seed, request.deadline, now, now)
-
-
-def serve_thread_host(spec: WorkerSpec) -> None:
-    """The host process's loop (runs in the child)."""
-    import torch
-
-    from harness.process.output import end_marker_line
-    from harness.threads.pool import ThreadPool
-
-    torch.set_num_threads(spec.threads)
-    conn = Connection(spec.control_fd)
-    pool = ThreadPool(spec.world_size)
-    pool.start()
-    conn.send(("ready", os.getpid()))
-    while True:
-        try:
-            request = conn.recv()
-        except EOFError:
-            return
-        if request is None:
-            return
-        try:
-            run = pool.run(request.task, request.deadline, request.peer_grace)
-        except Exception as exc:
-            run = _host_error(request, exc)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os.write(1, end_marker_line(request.task.task_id))
-        conn.send(run)

@@ -1,6 +1,6 @@
 """``RankPool`` adapter: the thread runner behind :mod:`harness.pools`' interface.
 
-A task runs exactly as in a rank process (``harness.rank_exec.run_task``: the payload is
+A task runs exactly as in a rank process (``harness.rank.execute.run_task``: the payload is
 unpickled *per rank*, so ranks never share argument objects; rank context, reseeding,
 skip/xfail classification), but on the runner's rank threads. A rank whose task did not
 pass aborts the run at once, so its peers are released from their collectives instead of
@@ -25,14 +25,15 @@ import tempfile
 import time
 
 import torch
+import torch.distributed as dist
 
 from harness.comm import flight
 from harness.outcomes import Outcome, RankResult, RunResult
-from harness.rank_context import RankContext
-from harness.rank_exec import run_task
+from harness.rank.context import RankContext
+from harness.rank.execute import run_task
 from harness.task import RankTask, ensure_modules
 from harness.threads.backend import BACKEND_NAME
-from harness.threads.runner import RankOutcome, RankRun, ThreadRunner
+from harness.threads.runner import ThreadRunner
 
 
 class _TaskDidNotPass(Exception):
@@ -65,8 +66,6 @@ class _Recorders:
 def _rank_body(
     task: RankTask, world_size: int, trace_dir: str | None, recorders: _Recorders
 ) -> RankResult:
-    import torch.distributed as dist
-
     ctx = RankContext(
         rank=dist.get_rank(),
         world_size=world_size,
@@ -87,35 +86,17 @@ def _rank_body(
     return result
 
 
-def _to_rank_result(run: RankRun) -> RankResult:
-    result = _rank_result(run)
-    result.output = run.output
-    return result
-
-
-def _rank_result(run: RankRun) -> RankResult:
+def _task_result(run: RankResult) -> RankResult:
+    """The rank's own account of the task, where the runner's wraps it (as the value of a
+    passing rank, or inside the exception that made the runner abort the peers)."""
     if isinstance(run.value, RankResult):
-        return run.value
-    if isinstance(run.error, _TaskDidNotPass):
-        return run.error.result
-    outcome = {
-        RankOutcome.HUNG: Outcome.HUNG,
-        RankOutcome.ABORTED_BY_PEER: Outcome.ABORTED_BY_PEER,
-        RankOutcome.SKIPPED: Outcome.SKIPPED,
-        RankOutcome.PASSED: Outcome.PASSED,
-    }.get(run.outcome, Outcome.FAILED)
-    error = run.error
-    return RankResult(
-        rank=run.rank,
-        outcome=outcome,
-        started_at=run.started_at,
-        finished_at=run.finished_at,
-        error_type=type(error).__qualname__ if error is not None else None,
-        error_message=str(error) if error is not None else None,
-        traceback=run.traceback,
-        stacks=run.stack,
-        comm_error=outcome is Outcome.ABORTED_BY_PEER,
-    )
+        inner = run.value
+    elif isinstance(run.error, _TaskDidNotPass):
+        inner = run.error.result
+    else:
+        return run  # the runner's own verdict: hung, aborted by a peer, or a harness error
+    inner.output = run.output
+    return inner
 
 
 class ThreadPool:
@@ -153,8 +134,8 @@ class ThreadPool:
             _rank_body, task, self.world_size, self._trace_dir, recorders, deadline=deadline
         )
         recorders.abandon_unexited()
-        results = [_to_rank_result(r) for r in run.ranks]
-        notes = list(run.notes)
+        results = [_task_result(r) for r in run.results]
+        notes = list(run.harness_notes)
         if not run.ok:
             self.broken = True
             traces = flight.read_traces(self._trace_dir, self.world_size)

@@ -2,7 +2,7 @@
 
     with ThreadRunner(world_size=4) as runner:
         result = runner.run(fn, arg, deadline=30.0)
-    result.raise_on_failure()
+    result.raise_on_failure()  # harness.outcomes.RunFailedError
     result.values  # [fn's return value on rank 0, 1, 2, 3]
 
 Each run starts N fresh threads that each call ``init_process_group("threaded")`` on a
@@ -25,7 +25,9 @@ Isolation (see :mod:`harness.threads.world` for why one rank runs at a time):
    run is abandoned (waiting ranks are released) and the runner marks itself unusable:
    the thread cannot be killed, so the caller should replace the host process.
 
-With ``capture_output=True`` what each rank prints is kept per rank (``RankRun.output``).
+With ``capture_output=True`` what each rank prints is kept per rank (``RankResult.output``).
+A run's result is the harness's one :class:`~harness.outcomes.RunResult`, the same the
+process launcher returns; each rank's exception object is kept on ``RankResult.error``.
 
 The thread-local c10d world is installed while the runner is open and uninstalled by
 ``close()``; threads that are not rank threads keep seeing the ordinary c10d state even
@@ -39,14 +41,13 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from datetime import timedelta
-from enum import StrEnum
 from typing import Any
 
 import torch.distributed as dist
 
 from harness import _torch_private
+from harness.outcomes import Outcome, RankResult, RunResult
 from harness.threads.backend import BACKEND_NAME, ThreadedProcessGroup, register_threaded_backend
 from harness.threads.output import RankOutputCapture
 from harness.threads.store import RunStore
@@ -61,85 +62,8 @@ from harness.threads.world import (
 _UNWIND_GRACE_S = 1.0
 
 
-class RankOutcome(StrEnum):
-    # Values match harness.outcomes.Outcome so a caller can map them one to one.
-    PASSED = "passed"
-    FAILED = "failed"
-    SKIPPED = "skipped"
-    HUNG = "hung"
-    ABORTED_BY_PEER = "aborted-by-peer"
-
-
 class RunnerUnusableError(RuntimeError):
     """The runner left a hung thread behind; replace it (and ideally the process)."""
-
-
-class ThreadRunError(AssertionError):
-    """Raised by :meth:`RunResult.raise_on_failure`; the message is the whole report."""
-
-
-@dataclass
-class RankRun:
-    """One rank's account of one run. Times are ``time.monotonic()``."""
-
-    rank: int
-    outcome: RankOutcome
-    started_at: float
-    finished_at: float | None = None
-    value: Any = None
-    error: BaseException | None = None
-    traceback: str | None = None  # formatted exception (or where a hung rank waited)
-    stack: str | None = None  # Python stack of a rank still running at the deadline
-    output: str = ""  # what the rank printed (with ``capture_output=True``)
-
-    @property
-    def duration(self) -> float | None:
-        return None if self.finished_at is None else self.finished_at - self.started_at
-
-    def summary(self) -> str:
-        if self.error is not None:
-            lines = str(self.error).strip().splitlines()
-            return f"{type(self.error).__name__}: {lines[0] if lines else ''}"
-        if self.outcome is RankOutcome.HUNG:
-            return "still running at the deadline"
-        return ""
-
-
-@dataclass
-class RunResult:
-    world_size: int
-    ranks: list[RankRun]
-    duration: float
-    hung: bool = False
-    notes: list[str] = field(default_factory=list)
-
-    @property
-    def ok(self) -> bool:
-        return all(r.outcome is RankOutcome.PASSED for r in self.ranks)
-
-    @property
-    def values(self) -> list[Any]:
-        return [r.value for r in self.ranks]
-
-    def primary_failures(self) -> list[RankRun]:
-        """Failed/hung ranks, earliest first: the first one is the root cause to show."""
-        bad = [r for r in self.ranks if r.outcome in (RankOutcome.FAILED, RankOutcome.HUNG)]
-        return sorted(bad, key=lambda r: r.finished_at if r.finished_at is not None else 1e300)
-
-    def report(self) -> str:
-        lines = [f"threaded run on {self.world_size} ranks ({self.duration:.3f} s)"]
-        lines += [f"  rank {r.rank}: {r.outcome} {r.summary()}".rstrip() for r in self.ranks]
-        lines += self.notes
-        for r in self.primary_failures() or [r for r in self.ranks if r.error]:
-            lines.append(f"--- rank {r.rank} ({r.outcome}) ---")
-            lines.append((r.traceback or "").rstrip())
-            if r.stack:
-                lines.append("stack at the deadline:\n" + r.stack.rstrip())
-        return "\n".join(lines)
-
-    def raise_on_failure(self) -> None:
-        if not self.ok:
-            raise ThreadRunError(self.report())
 
 
 def _is_skip(error: BaseException) -> bool:
@@ -212,7 +136,7 @@ class ThreadRunner:
         limit = self.deadline if deadline is None else deadline
         world = ThreadWorld(self.world_size, self.seed)
         store = RunStore(world, timeout=timedelta(seconds=limit))
-        runs: list[RankRun | None] = [None] * self.world_size
+        runs: list[RankResult | None] = [None] * self.world_size
         excepthook = sys.excepthook  # init_process_group wraps it on every call
         start = time.monotonic()
         threads = [
@@ -235,9 +159,9 @@ class ThreadRunner:
             except BaseException:  # KeyboardInterrupt: release the ranks before leaving
                 world.abandon("the runner was interrupted")
                 raise
-            result = RunResult(self.world_size, [], 0.0)
+            notes: list[str] = []
             if not finished:
-                self._abandon(world, threads, runs, limit, result)
+                self._abandon(world, threads, runs, limit)
             for thread in threads:
                 if not thread.is_alive():
                     thread.join()
@@ -246,20 +170,24 @@ class ThreadRunner:
                 capture.__exit__(None, None, None)
             world.rng.give_back_to_caller()
             sys.excepthook = excepthook
-        result.ranks = [r for r in runs if r is not None]
+        result = RunResult(
+            results=[r for r in runs if r is not None],
+            seed=self.seed,
+            deadline=limit,
+            started_at=start,
+            finished_at=time.monotonic(),
+            harness_notes=notes,
+        )
         if capture is not None:
-            for run in result.ranks:
+            for run in result.results:
                 run.output = capture.output(run.rank)
-        result.duration = time.monotonic() - start
         leftovers = world.pending_meetings()
         if leftovers and result.ok:
             # A collective some ranks issued and never waited for: the run "passed" but
             # the ranks disagree on what they did, which a process backend would hang on.
-            for run in result.ranks:
-                run.outcome = RankOutcome.FAILED
-            result.notes.append(
-                "unmatched collectives at the end of the run: " + "; ".join(leftovers)
-            )
+            for run in result.results:
+                run.outcome = Outcome.FAILED
+            notes.append("unmatched collectives at the end of the run: " + "; ".join(leftovers))
         return result
 
     def _wait(self, world: ThreadWorld, end: float) -> bool:
@@ -275,9 +203,8 @@ class ThreadRunner:
         self,
         world: ThreadWorld,
         threads: list[threading.Thread],
-        runs: list[RankRun | None],
+        runs: list[RankResult | None],
         limit: float,
-        result: RunResult,
     ) -> None:
         frames = sys._current_frames()
         stacks = {
@@ -293,24 +220,23 @@ class ThreadRunner:
         for rank, thread in enumerate(threads):
             if states[rank] != "running":
                 thread.join(max(0.0, grace_end - time.monotonic()))
-        result.hung = True
         now = time.monotonic()
         for rank, thread in enumerate(threads):
             run = runs[rank]
             if thread.is_alive() or run is None or run.finished_at is None:
                 # A fresh record: the zombie thread keeps mutating its own one.
-                runs[rank] = RankRun(
-                    rank,
-                    RankOutcome.HUNG,
-                    run.started_at if run is not None else now,
-                    now,
+                runs[rank] = RankResult(
+                    rank=rank,
+                    outcome=Outcome.HUNG,
+                    started_at=run.started_at if run is not None else now,
+                    finished_at=now,
                     traceback=f"rank {rank} {states[rank]} at the {limit:g} s deadline",
-                    stack=stacks.get(rank),
+                    stacks=stacks.get(rank),
                 )
                 if thread.is_alive():
                     self._zombies.append(thread)
             elif rank in stacks:
-                run.stack = stacks[rank]
+                run.stacks = stacks[rank]
         if self._zombies:
             names = ", ".join(t.name for t in self._zombies if t.is_alive())
             self.unusable_reason = (
@@ -323,13 +249,15 @@ class ThreadRunner:
         world: ThreadWorld,
         store: RunStore,
         rank: int,
-        runs: list[RankRun | None],
+        runs: list[RankResult | None],
         fn: Callable[..., Any],
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
         limit: float,
     ) -> None:
-        run = runs[rank] = RankRun(rank, RankOutcome.PASSED, time.monotonic())
+        run = runs[rank] = RankResult(
+            rank=rank, outcome=Outcome.PASSED, started_at=time.monotonic()
+        )
         initialized = False
         try:
             bind_rank(world, rank)
@@ -352,7 +280,7 @@ class ThreadRunner:
             run.value = fn(*args, **kwargs)
         except BaseException as error:
             _record_error(run, error)
-            if run.outcome is not RankOutcome.ABORTED_BY_PEER:
+            if run.outcome is not Outcome.ABORTED_BY_PEER:
                 world.fail(rank, error)
         finally:
             if initialized and not world.abandoned:
@@ -370,18 +298,22 @@ class ThreadRunner:
                 world.leave(rank)  # always: the others (and the runner) wait for it
 
 
-def _record_error(run: RankRun, error: BaseException) -> None:
+def _record_error(run: RankResult, error: BaseException) -> None:
     run.error = error
+    run.error_type = type(error).__qualname__
+    run.error_message = str(error)
     run.traceback = "".join(traceback.format_exception(error))
     run.finished_at = time.monotonic()
     if isinstance(error, CollectiveDeadlockError):
-        run.outcome = RankOutcome.HUNG
+        run.outcome = Outcome.HUNG
     elif _is_secondary(error):
-        run.outcome = RankOutcome.ABORTED_BY_PEER
+        run.outcome = Outcome.ABORTED_BY_PEER
+        run.comm_error = True
     elif _is_skip(error):
-        run.outcome = RankOutcome.SKIPPED
+        run.outcome = Outcome.SKIPPED
+        run.reason = str(error)
     else:
-        run.outcome = RankOutcome.FAILED
+        run.outcome = Outcome.FAILED
 
 
 def run_threaded(

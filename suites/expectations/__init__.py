@@ -1,19 +1,19 @@
 """Expectations of the bundled implementations (``<spec>.toml``) and the suites' helper.
 
 A suite that compares numbers takes the ``conformance_tolerance`` fixture (from
-``harness.conformance.plugin``; it pickles, so rank bodies can take it too) and passes
+``conformance.plugin``; it pickles, so rank bodies can take it too) and passes
 ``conformance_tolerance.resolve(rtol, atol)`` to ``harness.parity``: the implementation's
 ``[[tolerance]]`` override where its expectations file has one, the test's own values
 otherwise. Outside a fixture, :func:`tolerance_for` gives the same for a pytest item.
-File format: :mod:`harness.conformance.expectations`.
+File format: :mod:`conformance.expectations`.
 """
 
 from __future__ import annotations
 
 import pytest
 
-from harness.conformance.plugin import TOLERANCE_KEY
-from harness.conformance.tolerance import Tolerance
+from conformance.plugin import TOLERANCE_KEY
+from conformance.tolerance import Tolerance
 
 __all__ = ["Tolerance", "tolerance_for"]
 

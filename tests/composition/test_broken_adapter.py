@@ -29,8 +29,21 @@ ZERO_BUBBLE_GRADIENT_CASE = (
 
 def run_case(spec: str, case: str = PIPELINE_GRADIENT_CASE) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "pytest", case, "--impl", spec, "-q",
-         "-p", "no:cacheprovider", "-m", "slow or not slow", "--launcher", "thread"],
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            case,
+            "--impl",
+            spec,
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-m",
+            "slow or not slow",
+            "--launcher",
+            "thread",
+        ],
         cwd=ROOT,
         capture_output=True,
         text=True,

@@ -10,7 +10,7 @@ import textwrap
 
 import pytest
 
-from harness.conformance.report import (
+from conformance.report import (
     CAPABILITIES_PROPERTY,
     CASE_PROPERTY,
     ConformanceReport,
@@ -73,8 +73,8 @@ def test_profile_rows_are_validated_like_cases():
         parse_profiles(PROFILE_ROW.replace('["prefetch"]', "[]"))
 
 
-def test_the_hook_answer_of_the_suites_plugin_parses_back():
-    from suites.plugin import pytest_distconform_conformance_profiles
+def test_the_conformance_plugins_hook_answer_parses_back():
+    from conformance.plugin import pytest_distconform_conformance_profiles
 
     answer = pytest_distconform_conformance_profiles(config=None)
     assert json.loads(json.dumps(answer)) == answer  # plain data, as the hook promises
@@ -116,7 +116,7 @@ def test_every_case_item_records_its_case_and_needs(
 
 
 def test_recording_twice_keeps_one_entry_each():
-    from harness.plugin import world_size_of
+    from harness.session import world_size_of
     from suites.cases import apply_case_table
 
     item = collect("fsdp.prefetch.explicit", 2)
@@ -280,7 +280,7 @@ import pytest
 
 def pytest_distconform_conformance_profiles(config):
     return [{"name": "mini-core", "description": "", "required": True,
-             "capabilities": ["hsdp"]}]
+             "capabilities": ["share_comm_ctx"]}]
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -291,13 +291,13 @@ def pytest_collection_modifyitems(items):
 """
 
 
-def test_the_plugin_takes_profiles_from_the_hook_and_none_without_it(pytester):
+def test_the_plugin_takes_profiles_from_the_hook_and_none_without_case_tied_tests(pytester):
     pytester.makepyfile(test_own="def test_a():\n    pass\n")
-    args = ["--conformance-table", "-p", "no:distconform-suites", "-p", "no:cacheprovider"]
+    args = ["--conformance-table", "-p", "no:cacheprovider"]
     without = pytester.runpytest_inprocess(*args)
     without.assert_outcomes(passed=1)
     summary = without.stdout.str().split("= conformance =", 1)[1].splitlines()
-    assert summary[1].startswith("implementation: None"), summary  # the old first line
+    assert summary[1].startswith("implementation: reference"), summary  # the old first line
     assert "profiles (" not in without.stdout.str()
 
     pytester.makeconftest(textwrap.dedent(OWN_PROFILE_CONFTEST))
@@ -305,7 +305,9 @@ def test_the_plugin_takes_profiles_from_the_hook_and_none_without_it(pytester):
     with_hook.assert_outcomes(passed=1)
     with_hook.stdout.fnmatch_lines(
         [
-            "NOT CONFORMANT to mini-core: * does not declare hsdp, which the profile requires",
-            "*mini-core (required): 1 of 1 case applied, no pass rate (does not declare hsdp)",
+            "NOT CONFORMANT to mini-core: * does not declare share_comm_ctx, which the profile "
+            "requires",
+            "*mini-core (required): 1 of 1 case applied, no pass rate "
+            "(does not declare share_comm_ctx)",
         ]
     )

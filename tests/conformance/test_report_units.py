@@ -6,7 +6,7 @@ from collections import Counter
 
 import pytest
 
-from harness.conformance.report import (
+from conformance.report import (
     ConformanceReport,
     Recorder,
     conformance_percent,

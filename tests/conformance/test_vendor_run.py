@@ -5,11 +5,12 @@ built in a temp dir (``acme_fsdp:implementation``, a ``--backend-plugin`` that r
 c10d backend ``acmegloo``, an expectations file); every test below checks one aspect of
 that run's report, so the run is paid for once.
 
-The vendor also ties a few tests of its own to rows of the project's case table (through
-``suites.conftest``'s collection hook) while leaving the core capability ``prefetch``
-undeclared: the report must call it not conformant to ``fsdp2-core`` instead of letting the
-UNSUPPORTED prefetch cases vanish from its percentage. Those tests never start a rank beyond
-the ws-2 pool the others use (the UNSUPPORTED ones are skipped at collection).
+The vendor also ties a few tests of its own to rows of the project's case table (the
+conformance plugin applies the table to every test tied to a case) while leaving the core
+capability ``prefetch`` undeclared: the report must call it not conformant to
+``fsdp2-core`` instead of letting the UNSUPPORTED prefetch cases vanish from its percentage.
+Those tests never start a rank beyond the ws-2 pool the others use (the UNSUPPORTED ones are
+skipped at collection).
 """
 
 from __future__ import annotations
@@ -101,11 +102,6 @@ def test_tolerance_on_ranks(rank_ctx, conformance_tolerance):
     assert conformance_tolerance.rtol == 0.5 and conformance_tolerance.reason == "loose"
 """
 
-# The suites' collection rules, so that the vendor's own case-tied tests get their skips and
-# user properties exactly as the bundled suites do.
-ACME_CONFTEST = """
-from suites.conftest import pytest_collection_modifyitems  # noqa: F401
-"""
 
 ACME_CASE_TESTS = """
 from suites.cases import conformance
@@ -162,7 +158,6 @@ def vendor_run(tmp_path_factory) -> tuple[subprocess.CompletedProcess, dict, Pat
     (root / "acme_backend.py").write_text(textwrap.dedent(ACME_BACKEND))
     (root / "acme_tests").mkdir()
     (root / "acme_tests" / "test_acme.py").write_text(textwrap.dedent(ACME_TESTS))
-    (root / "acme_tests" / "conftest.py").write_text(textwrap.dedent(ACME_CONFTEST))
     (root / "acme_tests" / "test_acme_cases.py").write_text(textwrap.dedent(ACME_CASE_TESTS))
     (root / "acme.toml").write_text(EXPECTATIONS)
     (root / "pytest.ini").write_text("[pytest]\n")

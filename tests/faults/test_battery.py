@@ -15,10 +15,10 @@ import psutil
 import pytest
 
 from harness import Outcome
+from harness.launchers import make_pool
 from harness.memory import parse_size
 from harness.pools import PoolKey, PoolManager
 from harness.process.spawning import shared_zygote
-from harness.pytest_run import make_pool
 from harness.report import render_failure
 from tests.faults import faults
 from tests.faults.conftest import record_row

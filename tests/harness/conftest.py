@@ -6,8 +6,8 @@ import sys
 
 import pytest
 
+from harness.launchers import make_pool
 from harness.pools import PoolKey, PoolManager
-from harness.pytest_run import make_pool
 from harness.task import RankTask, pack_call
 
 

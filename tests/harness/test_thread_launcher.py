@@ -6,8 +6,8 @@ import psutil
 import pytest
 
 from harness import Outcome
+from harness.launchers import make_pool
 from harness.pools import PoolKey, PoolManager
-from harness.pytest_run import make_pool
 from tests.harness import rank_bodies
 from tests.harness.conftest import task_for
 

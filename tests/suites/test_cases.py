@@ -21,7 +21,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from harness.plugin import WORLD_SIZE_PARAM, world_size_of
+from harness.session import WORLD_SIZE_PARAM, world_size_of
 from impl.api import KNOWN_CAPABILITIES
 from suites.cases import CASE_MARKER, apply_case_table, load_cases, parse_cases
 
@@ -100,30 +100,69 @@ def test_composition_cases_are_rows_of_the_table():
         ("pp.dcp.stage_fqns", 4, "", {"dcp"}, "UNSUPPORTED: needs capability pp"),
         ("pp.dcp.stage_fqns", 4, "", set(), "UNSUPPORTED: needs capability dcp, pp"),
         # Bare tokens of value-only ids add their capabilities ...
-        ("pp.parity", 4, "1F1B-replicate-bf16", {"pp"},
-         "UNSUPPORTED: needs capability mixed_precision, replicate"),
-        ("pp.parity", 4, "1F1B-fully_shard-bf16", {"pp", "replicate"},
-         "UNSUPPORTED: needs capability mixed_precision"),
-        ("dcp.continue_training", 8, "hsdp-to-fsdp-half", {"dcp"},
-         "UNSUPPORTED: needs capability hsdp"),
-        ("dcp.continue_training", 4, "fsdp-to-replicate", {"dcp", "hsdp"},
-         "UNSUPPORTED: needs capability replicate"),
+        (
+            "pp.parity",
+            4,
+            "1F1B-replicate-bf16",
+            {"pp"},
+            "UNSUPPORTED: needs capability mixed_precision, replicate",
+        ),
+        (
+            "pp.parity",
+            4,
+            "1F1B-fully_shard-bf16",
+            {"pp", "replicate"},
+            "UNSUPPORTED: needs capability mixed_precision",
+        ),
+        (
+            "dcp.continue_training",
+            8,
+            "hsdp-to-fsdp-half",
+            {"dcp"},
+            "UNSUPPORTED: needs capability hsdp",
+        ),
+        (
+            "dcp.continue_training",
+            4,
+            "fsdp-to-replicate",
+            {"dcp", "hsdp"},
+            "UNSUPPORTED: needs capability replicate",
+        ),
         # ... and only those tokens: "fsdp-half" is not "hsdp", 1F1B not Interleaved1F1B.
         ("dcp.continue_training", 4, "fsdp-half-to-fsdp", {"dcp"}, None),
         ("pp.parity", 4, "1F1B-fully_shard-fp32", {"pp"}, None),
         # name=value tokens in the tensor-parallel grids.
-        ("fsdp.tp.2d_mesh", 4, "raf=True-ac=True-dim=3", {"tp"},
-         "UNSUPPORTED: needs capability activation_checkpointing"),
+        (
+            "fsdp.tp.2d_mesh",
+            4,
+            "raf=True-ac=True-dim=3",
+            {"tp"},
+            "UNSUPPORTED: needs capability activation_checkpointing",
+        ),
         ("replicate.tp", 4, "ac=False-dim=5", {"tp"}, "UNSUPPORTED: needs capability replicate"),
-        ("fsdp.tp.shard_placement_fn_tp_ep", 8, "tp=1-dpr=2-reshard=2", {"shard_placement_fn"},
-         "UNSUPPORTED: needs capability hsdp, reshard_after_forward_int"),
-        ("fsdp.tp.shard_placement_fn_tp_ep", 8, "tp=1-dpr=1-reshard=False",
-         {"shard_placement_fn"}, None),
+        (
+            "fsdp.tp.shard_placement_fn_tp_ep",
+            8,
+            "tp=1-dpr=2-reshard=2",
+            {"shard_placement_fn"},
+            "UNSUPPORTED: needs capability hsdp, reshard_after_forward_int",
+        ),
+        (
+            "fsdp.tp.shard_placement_fn_tp_ep",
+            8,
+            "tp=1-dpr=1-reshard=False",
+            {"shard_placement_fn"},
+            None,
+        ),
         # The CPU verdict comes first, even when capabilities are missing too.
-        ("fsdp.tp.shard_placement_fn_tp_ep", 8, "tp=2-dpr=2-reshard=True", set(),
-         TP_ATTENTION_CPU),
-        ("fsdp.tp.shard_placement_fn_tp_ep", 8, "tp=2-dpr=1-reshard=2", KNOWN_CAPABILITIES,
-         TP_ATTENTION_CPU),
+        ("fsdp.tp.shard_placement_fn_tp_ep", 8, "tp=2-dpr=2-reshard=True", set(), TP_ATTENTION_CPU),
+        (
+            "fsdp.tp.shard_placement_fn_tp_ep",
+            8,
+            "tp=2-dpr=1-reshard=2",
+            KNOWN_CAPABILITIES,
+            TP_ATTENTION_CPU,
+        ),
     ],
 )
 def test_composition_skip_reasons_on_cpu(case_id, world_size, param_id, capabilities, reason):
@@ -240,11 +279,29 @@ def test_composition_modules_collect_cpu_and_unsupported_skips(tmp_path):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)])}
     result = subprocess.run(
         [
-            sys.executable, "-m", "pytest", "suites/composition", "--collect-only", "-q",
-            "-p", "no:cacheprovider", "-p", "dump_composition_marks",
-            "--impl", "declares_nothing:make", "--device", "cpu", "-m", "slow or not slow",
+            sys.executable,
+            "-m",
+            "pytest",
+            "suites/composition",
+            "--collect-only",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-p",
+            "dump_composition_marks",
+            "--impl",
+            "declares_nothing:make",
+            "--device",
+            "cpu",
+            "-m",
+            "slow or not slow",
         ],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, check=False,
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     items = {
@@ -254,41 +311,64 @@ def test_composition_modules_collect_cpu_and_unsupported_skips(tmp_path):
         for entry in [json.loads(line[5:])]
     }
     expected = {
-        "test_pipeline_parity[ws4-1F1B-fully_shard-fp32]":
-            (False, "UNSUPPORTED: needs capability pp"),
-        "test_pipeline_parity[ws8-GPipe-replicate-bf16]":
-            (True, "UNSUPPORTED: needs capability mixed_precision, pp, replicate"),
-        "test_3d_tp_dp_pp[ws8-GPipe-bf16]":
-            (True, "UNSUPPORTED: needs capability mixed_precision, pp, tp"),
-        "test_checkpoint_continues_training[ws4-fsdp-to-fsdp-half]":
-            (False, "UNSUPPORTED: needs capability dcp"),
-        "test_checkpoint_continues_training[ws8-hsdp-to-fsdp-half]":
-            (True, "UNSUPPORTED: needs capability dcp, hsdp"),
-        "test_pipeline_stage_checkpoint_keeps_fqns[ws4]":
-            (False, "UNSUPPORTED: needs capability dcp, pp"),
-        "test_2d_fully_shard_tp[ws4-raf=True-ac=True-dim=3]":
-            (True, "UNSUPPORTED: needs capability activation_checkpointing, tp"),
-        "test_replicate_tp[ws4-ac=False-dim=16]":
-            (True, "UNSUPPORTED: needs capability replicate, tp"),
-        "test_shard_placement_fn_tp_ep[ws8-tp=1-dpr=2-reshard=2]":
-            (True, "UNSUPPORTED: needs capability hsdp, reshard_after_forward_int, "
-                   "shard_placement_fn"),
+        "test_pipeline_parity[ws4-1F1B-fully_shard-fp32]": (
+            False,
+            "UNSUPPORTED: needs capability pp",
+        ),
+        "test_pipeline_parity[ws8-GPipe-replicate-bf16]": (
+            True,
+            "UNSUPPORTED: needs capability mixed_precision, pp, replicate",
+        ),
+        "test_3d_tp_dp_pp[ws8-GPipe-bf16]": (
+            True,
+            "UNSUPPORTED: needs capability mixed_precision, pp, tp",
+        ),
+        "test_checkpoint_continues_training[ws4-fsdp-to-fsdp-half]": (
+            False,
+            "UNSUPPORTED: needs capability dcp",
+        ),
+        "test_checkpoint_continues_training[ws8-hsdp-to-fsdp-half]": (
+            True,
+            "UNSUPPORTED: needs capability dcp, hsdp",
+        ),
+        "test_pipeline_stage_checkpoint_keeps_fqns[ws4]": (
+            False,
+            "UNSUPPORTED: needs capability dcp, pp",
+        ),
+        "test_2d_fully_shard_tp[ws4-raf=True-ac=True-dim=3]": (
+            True,
+            "UNSUPPORTED: needs capability activation_checkpointing, tp",
+        ),
+        "test_replicate_tp[ws4-ac=False-dim=16]": (
+            True,
+            "UNSUPPORTED: needs capability replicate, tp",
+        ),
+        "test_shard_placement_fn_tp_ep[ws8-tp=1-dpr=2-reshard=2]": (
+            True,
+            "UNSUPPORTED: needs capability hsdp, reshard_after_forward_int, shard_placement_fn",
+        ),
         "test_shard_placement_fn_tp_ep[ws8-tp=2-dpr=2-reshard=2]": (True, TP_ATTENTION_CPU),
         # Not a case: the evidence for the CPU skip above, slow by its own mark.
         "test_cpu_attention_on_tp_activations_has_no_sharding_strategy[ws2]": (True, None),
     }
-    found = {item_id: (items[item_id]["slow"], items[item_id]["skip"])
-             for item_id in expected if item_id in items}
+    found = {
+        item_id: (items[item_id]["slow"], items[item_id]["skip"])
+        for item_id in expected
+        if item_id in items
+    }
     assert found == expected
-    cpu_skipped = sorted(item_id for item_id, entry in items.items()
-                         if (entry["skip"] or "").startswith("CPU:"))
+    cpu_skipped = sorted(
+        item_id for item_id, entry in items.items() if (entry["skip"] or "").startswith("CPU:")
+    )
     assert cpu_skipped == sorted(
         f"test_shard_placement_fn_tp_ep[ws8-tp=2-dpr={dpr}-reshard={reshard}]"
-        for dpr in (1, 2) for reshard in (False, True, 2)
+        for dpr in (1, 2)
+        for reshard in (False, True, 2)
     )
     # A composition test of an implementation that is not tied to a case would run on every
     # implementation, whatever it declares: each one needs a row and @conformance.
-    uncased = sorted(item_id for item_id, entry in items.items()
-                     if entry["uses_impl"] and entry["case"] is None)
+    uncased = sorted(
+        item_id for item_id, entry in items.items() if entry["uses_impl"] and entry["case"] is None
+    )
     assert not uncased, f"composition tests without a suites/cases.toml row: {uncased}"
     assert {entry["case"] for entry in items.values()} - {None} == COMPOSITION_CASES

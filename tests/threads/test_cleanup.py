@@ -17,7 +17,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
 from harness import _torch_private
-from harness.threads import RankOutcome, RunnerUnusableError, ThreadRunner, run_threaded
+from harness.outcomes import Outcome
+from harness.threads import RunnerUnusableError, ThreadRunner, run_threaded
 
 
 def _hang_outside_collectives(release: threading.Event) -> None:
@@ -35,11 +36,11 @@ def test_hang_is_reported_with_stack_and_runner_becomes_unusable():
         result = runner.run(_hang_outside_collectives, release)
         assert time.monotonic() - start < 0.5 + 1.0 + 0.5
         assert result.hung
-        hung = result.ranks[1]
-        assert hung.outcome is RankOutcome.HUNG
-        assert "_hang_outside_collectives" in hung.stack
-        assert "release.wait(60)" in hung.stack
-        assert result.ranks[0].outcome is RankOutcome.ABORTED_BY_PEER
+        hung = result.results[1]
+        assert hung.outcome is Outcome.HUNG
+        assert "_hang_outside_collectives" in hung.stacks
+        assert "release.wait(60)" in hung.stacks
+        assert result.results[0].outcome is Outcome.ABORTED_BY_PEER
         assert not runner.usable
         with pytest.raises(RunnerUnusableError, match="hung"):
             runner.run(_hang_outside_collectives, release)

@@ -10,12 +10,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from harness.outcomes import Outcome, RunFailedError
 from harness.threads import (
     CollectiveDeadlockError,
     CollectiveMismatchError,
     RankAbortedError,
-    RankOutcome,
-    ThreadRunError,
     ThreadRunner,
     add_collective_listener,
     run_threaded,
@@ -129,18 +128,18 @@ def test_error_in_one_rank_releases_the_others(after_first_collective):
         result = runner.run(_fail_on, 2, after_first_collective)
     assert not result.ok and not result.hung
     assert result.duration < 1.0
-    failed = result.ranks[2]
-    assert failed.outcome is RankOutcome.FAILED
+    failed = result.results[2]
+    assert failed.outcome is Outcome.FAILED
     assert isinstance(failed.error, ValueError)
     assert "rank body failed on purpose" in failed.traceback
-    assert result.primary_failures() == [failed]
+    assert result.primary_failure() is failed
     for peer in (0, 1, 3):
-        run = result.ranks[peer]
-        assert run.outcome is RankOutcome.ABORTED_BY_PEER, result.report()
+        run = result.results[peer]
+        assert run.outcome is Outcome.ABORTED_BY_PEER, result.describe()
         assert isinstance(run.error, RankAbortedError)
         assert "aborted because rank 2 failed: ValueError" in str(run.error)
         assert run.finished_at - failed.finished_at < 1.0
-    with pytest.raises(ThreadRunError, match="rank 2: failed ValueError"):
+    with pytest.raises(RunFailedError, match="rank 2: failed ValueError"):
         result.raise_on_failure()
 
 
@@ -152,9 +151,9 @@ def _skip_on_rank_one() -> None:
 
 def test_skip_in_one_rank_is_reported_and_releases_peers():
     result = run_threaded(_skip_on_rank_one, 2, deadline=30.0)
-    assert [r.outcome for r in result.ranks] == [
-        RankOutcome.ABORTED_BY_PEER,
-        RankOutcome.SKIPPED,
+    assert [r.outcome for r in result.results] == [
+        Outcome.ABORTED_BY_PEER,
+        Outcome.SKIPPED,
     ]
 
 
@@ -169,8 +168,8 @@ def _mismatch() -> None:
 def test_mismatched_collectives_fail_every_participant():
     result = run_threaded(_mismatch, 2, deadline=30.0)
     assert result.duration < 1.0
-    for run in result.ranks:
-        assert run.outcome is RankOutcome.FAILED
+    for run in result.results:
+        assert run.outcome is Outcome.FAILED
         assert isinstance(run.error, CollectiveMismatchError)
         assert "allreduce #0" in str(run.error) and "broadcast #0" in str(run.error)
 
@@ -181,14 +180,14 @@ def _shape_mismatch() -> None:
 
 def test_a_shape_mismatch_fails_every_participant_as_a_mismatch():
     result = run_threaded(_shape_mismatch, 2, deadline=30.0)
-    for run in result.ranks:
-        assert run.outcome is RankOutcome.FAILED, result.report()
+    for run in result.results:
+        assert run.outcome is Outcome.FAILED, result.describe()
         assert isinstance(run.error, RuntimeError)
         message = str(run.error)
         assert "ranks disagree on the collective: allreduce #0" in message
         assert "(2,)" in message and "(3,)" in message
     # Each rank raised its own exception object (tracebacks are per rank).
-    assert result.ranks[0].error is not result.ranks[1].error
+    assert result.results[0].error is not result.results[1].error
 
 
 # --- deadlocks and hangs -------------------------------------------------------------------
@@ -202,9 +201,9 @@ def _rank_one_skips_the_collective() -> None:
 def test_deadlock_is_detected_without_waiting_for_the_deadline():
     result = run_threaded(_rank_one_skips_the_collective, 2, deadline=60.0)
     assert result.duration < 1.0
-    stuck, early = result.ranks
-    assert early.outcome is RankOutcome.PASSED
-    assert stuck.outcome is RankOutcome.HUNG
+    stuck, early = result.results
+    assert early.outcome is Outcome.PASSED
+    assert stuck.outcome is Outcome.HUNG
     assert isinstance(stuck.error, CollectiveDeadlockError)
     assert "rank 0: waits in allreduce #0" in str(stuck.error)
     assert "rank 1: finished" in str(stuck.error)
@@ -219,7 +218,7 @@ def _async_never_waited() -> None:
 def test_unmatched_async_collective_fails_the_run():
     result = run_threaded(_async_never_waited, 2, deadline=30.0)
     assert not result.ok
-    assert "unmatched collectives" in result.report()
+    assert "unmatched collectives" in result.describe()
 
 
 # --- the collective listener ---------------------------------------------------------------
@@ -263,7 +262,7 @@ def test_output_is_captured_per_rank(capsys):
     with ThreadRunner(3, capture_output=True) as runner:
         result = runner.run(_print_per_rank)
     result.raise_on_failure()
-    for rank, run in enumerate(result.ranks):
+    for rank, run in enumerate(result.results):
         assert run.output == f"hello from rank {rank}\nrank {rank} to stderr\n"
     assert sys.stdout is stdout and sys.stderr is stderr
     assert capsys.readouterr() == ("", "")  # nothing leaked to the shared streams

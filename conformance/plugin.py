@@ -1,36 +1,59 @@
-"""pytest side of conformance runs: expectations at collection, the report at the end.
+"""pytest plugin of conformance runs: the implementation under test, the case table at
+collection, expectations, and the report at the end.
 
-Registered by :mod:`harness.plugin` for every session. Expectations are applied whenever a
-file is named (``--expectations``) or the implementation under test has one in
-``suites/expectations/<spec>.toml``; the report is written and printed with
-``--conformance-out DIR`` (or ``--conformance-table`` to only print it). The report is
-built from pytest's own ``TestReport`` objects, so it covers whatever was collected. Its
-profiles come from the ``pytest_distconform_conformance_profiles`` hook (the suites' plugin
-implements it; the harness never imports the suites for it).
+Registered through the ``pytest11`` entry point ``distconform-conformance``. ``--impl``
+chooses the implementation (the ``impl`` fixture; the value pickles as its spec, see
+``impl.api.Implementation.__reduce__``, and each rank rebuilds it by name, so no
+implementation state crosses process boundaries). Every test tied to a case with
+``suites.cases.conformance`` gets the table's skips, ``slow`` marks and user properties.
+Expectations are applied whenever a file is named (``--expectations``) or the implementation
+has one in ``suites/expectations/<spec>.toml``; the report is written and printed with
+``--conformance-out DIR`` (or ``--conformance-table`` to only print it). It is built from
+pytest's own ``TestReport`` objects, so it covers whatever was collected. Its profiles come
+from the ``pytest_distconform_conformance_profiles`` hook, which this plugin answers last
+with the case table's profiles.
 """
 
 from __future__ import annotations
 
-import sys
 import warnings
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from harness.conformance import report as conformance_report
-from harness.conformance.expectations import Entry, Expectations, ExpectationsError, load
-from harness.conformance.tolerance import Tolerance
+import suites
+from conformance import hookspecs
+from conformance import report as conformance_report
+from conformance.expectations import Entry, Expectations, ExpectationsError, load
+from conformance.tolerance import Tolerance
+from harness.session import world_size_of
+from impl.api import ENV_VAR, Implementation, default_spec, load_implementation
+from suites.cases import CASE_MARKER, Profile, apply_case_table, load_profiles
 
-PLUGIN_NAME = "distconform-conformance"
+PLUGIN_NAME = "distconform-conformance-report"
 JUNIT_NAME = "conformance.junit.xml"
+TOLERANCE_KEY = pytest.StashKey[Tolerance]()
 
 
 class StaleExpectationWarning(pytest.PytestWarning):
     """An expectations entry selects no collected test: it is out of date or misspelt."""
 
 
-def add_options(parser: pytest.Parser) -> None:
-    group = parser.getgroup("distconform-conformance", "conformance report (distconform)")
+@pytest.hookimpl(tryfirst=True)
+def pytest_addhooks(pluginmanager: pytest.PytestPluginManager) -> None:
+    pluginmanager.add_hookspecs(hookspecs)
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("distconform-conformance", "conformance runs (distconform)")
+    group.addoption(
+        "--impl",
+        default=None,
+        metavar="SPEC",
+        help=f"implementation under test: reference, torch or package.module[:factory] "
+        f"(default: ${ENV_VAR} or reference)",
+    )
     group.addoption(
         "--conformance-out",
         default=None,
@@ -53,14 +76,24 @@ def add_options(parser: pytest.Parser) -> None:
     )
 
 
-def before_configure(config: pytest.Config) -> None:
+@pytest.hookimpl(tryfirst=True)
+def pytest_cmdline_main(config: pytest.Config) -> None:
     """With --conformance-out and no --junitxml, let pytest write the JUnit file there."""
     out = config.getoption("conformance_out", None)
     if out and not getattr(config.option, "xmlpath", None):
         config.option.xmlpath = str(Path(out) / JUNIT_NAME)
 
 
-def register(config: pytest.Config) -> None:
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers",
+        f"{CASE_MARKER}(case_id): the suites/cases.toml row this conformance test implements",
+    )
+    config.addinivalue_line(
+        "markers",
+        "feature(name): the conformance report's feature for this test "
+        "(default: its module name without test_)",
+    )
     if config.pluginmanager.has_plugin(PLUGIN_NAME):
         return
     try:
@@ -68,30 +101,65 @@ def register(config: pytest.Config) -> None:
     except ExpectationsError as exc:
         raise pytest.UsageError(f"distconform: {exc}") from None
     config.pluginmanager.register(plugin, PLUGIN_NAME)
-    # The module itself carries the ``conformance_tolerance`` fixture.
-    config.pluginmanager.register(sys.modules[__name__], f"{PLUGIN_NAME}-fixtures")
 
 
-def implementation_spec(config: pytest.Config) -> str | None:
-    """The ``--impl`` spec when the suites' plugin is active, else None."""
+def selected_spec(config: pytest.Config) -> str:
+    """The implementation under test: ``--impl``, else ``$DISTCONFORM_IMPL``, else reference."""
+    return config.getoption("impl") or default_spec()
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    return f"distconform implementation: {selected_spec(config)}"
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_distconform_conformance_profiles(config: pytest.Config) -> list[dict[str, Any]]:
+    """The case table's profiles, unless another plugin answered first."""
+    return [profile.as_hook_dict() for profile in load_profiles()]
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # First, so that the slow marks added here are seen by -m's deselection.
+    if not any(item.get_closest_marker(CASE_MARKER) for item in items):
+        return
+    spec = selected_spec(config)
     try:
-        spec = config.getoption("impl")
-    except ValueError:
-        return None
-    if spec:
-        return spec
-    from impl.api import default_spec
+        capabilities = load_implementation(spec).capabilities
+    except (ImportError, ValueError, TypeError) as error:
+        raise pytest.UsageError(f"--impl {spec}: {error}") from error
+    inapplicable = apply_case_table(
+        items,
+        device_type=config.getoption("device") or "cpu",
+        launcher=config.getoption("launcher") or config.getini("dist_launcher"),
+        capabilities=capabilities,
+        world_size_of=world_size_of,
+    )
+    if inapplicable:
+        left_out = {id(item) for item in inapplicable}
+        items[:] = [item for item in items if id(item) not in left_out]
+        config.hook.pytest_deselected(items=inapplicable)
 
-    return default_spec()
+
+@pytest.fixture(scope="session")
+def impl(request: pytest.FixtureRequest) -> Implementation:
+    """The implementation under test, chosen by ``--impl`` or ``$DISTCONFORM_IMPL``."""
+    spec = selected_spec(request.config)
+    try:
+        return load_implementation(spec)
+    except (ImportError, ValueError, TypeError) as error:
+        raise pytest.UsageError(f"--impl {spec}: {error}") from error
 
 
-def default_expectations_path(spec: str | None) -> Path | None:
+@pytest.fixture
+def conformance_tolerance(request: pytest.FixtureRequest) -> Tolerance:
+    """This test's tolerance override from the expectations file (empty when none)."""
+    return request.node.stash.get(TOLERANCE_KEY, Tolerance())
+
+
+def default_expectations_path(spec: str) -> Path | None:
     """``suites/expectations/<spec>.toml`` for a built-in implementation, if it exists."""
-    if not spec or not spec.isidentifier():
-        return None
-    try:
-        import suites
-    except ImportError:
+    if not spec.isidentifier():
         return None
     path = Path(suites.__file__).parent / "expectations" / f"{spec}.toml"
     return path if path.is_file() else None
@@ -100,7 +168,7 @@ def default_expectations_path(spec: str | None) -> Path | None:
 class ConformancePlugin:
     def __init__(self, config: pytest.Config) -> None:
         self.config = config
-        self.spec = implementation_spec(config)
+        self.spec = selected_spec(config)
         named = config.getoption("expectations")
         path = Path(named) if named else default_expectations_path(self.spec)
         self.expectations = load(path) if path is not None else Expectations()
@@ -109,15 +177,10 @@ class ConformancePlugin:
         self.reporting = self.out_dir is not None or config.getoption("conformance_table")
         self.recorder = conformance_report.Recorder()
         self.stale: list[Entry] = []
-        self.profiles: list[conformance_report.Profile] = []
+        self.profiles: list[Profile] = []
         self.report: conformance_report.ConformanceReport | None = None
 
     def pytest_configure(self, config: pytest.Config) -> None:
-        config.addinivalue_line(
-            "markers",
-            "feature(name): the conformance report's feature for this test "
-            "(default: its module name without test_)",
-        )
         if self.reporting:
             # Asked now, not at the end, so that a malformed answer is a usage error.
             raw = config.hook.pytest_distconform_conformance_profiles(config=config)
@@ -128,10 +191,7 @@ class ConformancePlugin:
 
     def pytest_distconform_reproducer_args(self, config: pytest.Config) -> list[str]:
         args: list[str] = []
-        try:
-            spec = config.getoption("impl")
-        except ValueError:  # the suites' plugin (and its --impl) is not active
-            spec = None
+        spec = config.getoption("impl")
         if spec:
             args += ["--impl", spec]
         for module in config.getoption("backend_plugin"):
@@ -211,12 +271,3 @@ def _could_have_matched(entry: Entry, collected_files: set[str], config: pytest.
     if file_part in collected_files:
         return True
     return not (config.rootpath / file_part).exists()
-
-
-TOLERANCE_KEY = pytest.StashKey[Tolerance]()
-
-
-@pytest.fixture
-def conformance_tolerance(request: pytest.FixtureRequest) -> Tolerance:
-    """This test's tolerance override from the expectations file (empty when none)."""
-    return request.node.stash.get(TOLERANCE_KEY, Tolerance())

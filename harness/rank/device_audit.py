@@ -53,7 +53,7 @@ cannot trace ``sys._getframe``), and the call is reported as in eager code.
 Cost: about 3.2 us per torch call made while the mode is active, no more than any
 pass-through ``TorchFunctionMode`` (the fast path is one set-membership test and then
 ``func(*args, **kwargs)``; the stack is walked only for a device-less factory call).
-Measured with ``python -m harness.device_audit`` (interleaved runs, 10th percentile) on this
+Measured with ``python -m harness.rank.device_audit`` (interleaved runs, 10th percentile) on this
 project's shared 2-core CPU machine, torch 2.13, one thread: a forward + backward + SGD step
 of a 3-layer MLP of width 64 on a batch of 32 makes 57 torch calls and took 0.45 ms bare,
 0.66-0.68 ms under a pass-through mode and 0.62-0.64 ms under the audit (3.1-3.2 us per

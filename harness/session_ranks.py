@@ -8,18 +8,17 @@ session's :class:`~harness.pools.PoolManager` keeps the ranks warm across exampl
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 
+from harness.api import run_on_ranks
 from harness.config import resolve_backend
-from harness.deadline import pg_timeout_for
+from harness.launchers import build_task, pool_key
 from harness.outcomes import Outcome
-from harness.pools import PoolKey, env_fingerprint
 from harness.report import DistributedFailure
-from harness.task import RankTask, pack_call
+from harness.session import pools_of, settings_of
 
 
 def run_in_session(
@@ -39,16 +38,11 @@ def run_in_session(
     Raises :class:`harness.DistributedFailure` (the full per-rank report) unless every rank
     passed. ``fn`` must be defined at module level and ``kwargs`` must pickle. ``fresh``
     runs it on ranks of its own (for state that outlives the harness's group teardown);
-    ``device_audit`` fails a tensor ``fn`` creates without a device (``harness.device_audit``).
+    ``device_audit`` fails a tensor ``fn`` creates without a device (``harness.rank.device_audit``).
     """
-    from harness.plugin import SETTINGS_KEY
-    from harness.pytest_run import POOLS_KEY
-
-    settings = config.stash[SETTINGS_KEY]
-    pools = config.stash.get(POOLS_KEY, None)
+    settings = settings_of(config)
+    pools = pools_of(config)
     if pools is None or settings.launcher == "external":
-        from harness.api import run_on_ranks
-
         return run_on_ranks(
             fn,
             world_size,
@@ -58,24 +52,22 @@ def run_in_session(
             deadline=deadline,
             device_audit=device_audit,
         )
-    payload, modules = pack_call(fn, (), dict(kwargs or {}))
-    task = RankTask(
+    task = build_task(
+        fn,
+        (),
+        kwargs,
         test_id=context or getattr(fn, "__qualname__", repr(fn)),
-        payload=payload,
-        modules=modules,
-        sys_path=tuple(p for p in sys.path if p),
         seed=settings.seed,
-        pg_timeout=pg_timeout_for(deadline),
+        deadline=deadline,
         device_audit=device_audit,
     )
-    key = PoolKey(
+    key = pool_key(
         launcher=launcher,
         world_size=world_size,
         backend=resolve_backend(launcher, None, "cpu"),
         device_type="cpu",
         threads_per_rank=settings.threads_for(world_size),
         rendezvous=settings.rendezvous,
-        env_fingerprint=env_fingerprint(),
     )
     run = pools.run(key, task, deadline=deadline, peer_grace=settings.peer_grace, fresh=fresh)
     if run.results and all(r.outcome is Outcome.NOT_STARTED for r in run.results):

@@ -39,16 +39,15 @@ from typing import Any
 
 import pytest
 
-from harness.conformance.expectations import Entry, Expectations
+from conformance.expectations import Entry, Expectations
+from harness.backend_plugins import ENV_VAR as BACKEND_PLUGINS_VAR
+from harness.session import SETTINGS_KEY, world_size_of
+from suites.cases import CAPABILITIES_PROPERTY, CASE_PROPERTY, UNSUPPORTED_PREFIX, Profile
 
 SCHEMA = "distconform-conformance"
 SCHEMA_VERSION = 2
 STATUSES = ("PASS", "FAIL", "XFAIL", "XPASS", "UNSUPPORTED", "SKIP")
 APPLIED_STATUSES = ("PASS", "FAIL", "XFAIL", "XPASS")
-UNSUPPORTED_PREFIX = "UNSUPPORTED:"
-#: User properties of a test tied to a case (set by the suites at collection).
-CASE_PROPERTY = "conformance_case"
-CAPABILITIES_PROPERTY = "capabilities"
 _MAX_DETAIL_CHARS = 4000
 
 
@@ -97,12 +96,6 @@ def world_size_from_nodeid(nodeid: str) -> int | None:
     return int(found.group(1)) if found else None
 
 
-def _world_size(item: pytest.Item) -> int | None:
-    from harness.plugin import world_size_of
-
-    return world_size_of(item)
-
-
 def _skip_reason(report: pytest.TestReport) -> str:
     longrepr = report.longrepr
     if isinstance(longrepr, tuple) and len(longrepr) == 3:
@@ -131,7 +124,7 @@ class Recorder:
         self._expected: dict[str, Entry] = {}
 
     def describe_item(self, item: pytest.Item) -> None:
-        self._items[item.nodeid] = (feature_of(item), _world_size(item))
+        self._items[item.nodeid] = (feature_of(item), world_size_of(item))
 
     def expect(self, nodeid: str, entry: Entry) -> None:
         self._expected[nodeid] = entry
@@ -202,25 +195,6 @@ def _read_case_properties(result: TestResult, report: pytest.TestReport) -> None
 
 
 # --- profiles ------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Profile:
-    """A set of capabilities whose cases are reported together (see ``harness.hookspecs``)."""
-
-    name: str
-    description: str
-    required: bool
-    capabilities: tuple[str, ...]
-
-    def as_hook_dict(self) -> dict[str, Any]:
-        """The form ``pytest_distconform_conformance_profiles`` returns."""
-        return {
-            "name": self.name,
-            "description": self.description,
-            "required": self.required,
-            "capabilities": list(self.capabilities),
-        }
 
 
 def profiles_from_hook(raw: Any) -> list[Profile]:
@@ -603,13 +577,11 @@ def environment_of(
     config: pytest.Config, spec: str | None, expectations: Expectations
 ) -> dict[str, Any]:
     """The report's header: what ran, against what, where and when."""
+    # Imported at the end of the run only: the report module loads with every session.
     import torch
 
-    from harness.conformance.backend_plugins import ENV_VAR
-    from harness.plugin import SETTINGS_KEY
-
     settings = config.stash.get(SETTINGS_KEY, None)
-    plugins = [name for name in os.environ.get(ENV_VAR, "").split(",") if name]
+    plugins = [name for name in os.environ.get(BACKEND_PLUGINS_VAR, "").split(",") if name]
     return {
         "torch_version": torch.__version__,
         "python": platform.python_version(),
@@ -630,9 +602,10 @@ def environment_of(
 def describe_implementation(spec: str | None) -> dict[str, Any]:
     if spec is None:
         return {"name": None, "spec": None, "capabilities": []}
-    try:
-        from impl.api import load_implementation
+    # impl.api imports torch, like environment_of: only when the report is built.
+    from impl.api import load_implementation
 
+    try:
         impl = load_implementation(spec)
     except Exception as exc:  # the report still says what was asked for and why it failed
         return {"name": spec, "spec": spec, "capabilities": [], "error": repr(exc)}

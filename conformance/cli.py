@@ -69,12 +69,12 @@ def pytest_args(argv: list[str]) -> list[str]:
 
 
 def _suites_dir() -> Path:
-    import suites
+    import suites  # imports torch: only for a run, never for --help
 
     return Path(suites.__file__).parent
 
 
 def main(argv: list[str]) -> int:
-    import pytest
+    import pytest  # as in _suites_dir: --help answers before pytest and its plugins load
 
     return int(pytest.main(pytest_args(argv)))

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 
 _current: contextvars.ContextVar[RankContext | None] = contextvars.ContextVar(
     "distconform_rank_context", default=None
@@ -50,8 +51,6 @@ class RankContext:
         Groups the mesh creates are destroyed by the harness after the test, so a test
         may build as many meshes as it needs.
         """
-        from torch.distributed.device_mesh import init_device_mesh
-
         if isinstance(shape, int):
             shape = (shape,)
         total = 1

@@ -13,10 +13,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from harness.device_audit import device_audit
+from harness.comm import flight
+from harness.memory import format_size, looks_like_out_of_memory
 from harness.outcomes import Outcome, RankResult
-from harness.rank_context import RankContext, RankLocal, active_rank_context
-from harness.rank_warnings import rank_warning_capture
+from harness.rank import hygiene
+from harness.rank.context import RankContext, RankLocal, active_rank_context
+from harness.rank.device_audit import device_audit
+from harness.rank.memory_limit import limited_memory
+from harness.rank.warning_capture import rank_warning_capture
 from harness.task import RankTask, ensure_modules, unpack_call
 
 # Text that gloo, NCCL and the store put in errors raised because *another* rank
@@ -80,21 +84,15 @@ def run_task_in_process(task: RankTask, ctx: RankContext, trace_dir: str | None)
     Used by the process launcher's ranks and by ranks started by torchrun; thread
     ranks share a process, so none of this can be per rank for them.
     """
-    from harness import hygiene, memory
-    from harness.comm import flight
-
     before = hygiene.take_snapshot()
     with (
-        memory.limited_memory(task.memory_limit),
+        limited_memory(task.memory_limit),
         flight.recording(trace_dir, ctx.rank, task.task_id),
     ):
         result = run_task(task, ctx)
-    if task.memory_limit and memory.looks_like_out_of_memory(
-        result.error_type, result.error_message
-    ):
+    if task.memory_limit and looks_like_out_of_memory(result.error_type, result.error_message):
         result.note = (
-            f"rank {result.rank} exceeded its memory limit of "
-            f"{memory.format_size(task.memory_limit)}"
+            f"rank {result.rank} exceeded its memory limit of {format_size(task.memory_limit)}"
         )
     result.hygiene = hygiene.clean_up_after_test(before, ctx.device_type)
     return result

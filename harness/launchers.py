@@ -1,0 +1,109 @@
+"""From a run's settings to ranks: which pool serves it, and the task the ranks receive.
+
+Every caller that puts work on ranks (a pytest item in :mod:`harness.pytest_run`, a plain
+function in :mod:`harness.api`, an example drawn inside a test in
+:mod:`harness.session_ranks`) builds its :class:`~harness.pools.PoolKey`, its
+:class:`~harness.task.RankTask` and its pools here, so the three never drift apart.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from harness.config import ConfigError, device_count
+from harness.deadline import pg_timeout_for
+from harness.leasing import LeasedPool
+from harness.pools import PoolKey, PoolManager, RankPool, env_fingerprint
+from harness.task import RankTask, pack_call
+
+Echo = Callable[[str], None] | None
+
+
+def pool_key(
+    *,
+    launcher: str,
+    world_size: int,
+    backend: str,
+    device_type: str,
+    threads_per_rank: int,
+    rendezvous: str = "file",
+) -> PoolKey:
+    """The key of the warm pool that can run this world, the inherited environment included."""
+    return PoolKey(
+        launcher=launcher,
+        world_size=world_size,
+        backend=backend,
+        device_type=device_type,
+        threads_per_rank=threads_per_rank,
+        rendezvous=rendezvous,
+        env_fingerprint=env_fingerprint(),
+    )
+
+
+def build_task(
+    fn: Callable[..., Any],
+    args: tuple = (),
+    kwargs: dict[str, Any] | None = None,
+    *,
+    test_id: str,
+    seed: int,
+    deadline: float,
+    memory_limit: int | None = None,
+    warning_filters: tuple[tuple[str, bool], ...] = (),
+    device_audit: bool = False,
+) -> RankTask:
+    """``fn(*args, **kwargs)`` packed for the ranks; raises ``TaskPackingError`` when it
+    cannot travel (a local function, an argument that does not pickle)."""
+    payload, modules = pack_call(fn, tuple(args), dict(kwargs or {}))
+    return RankTask(
+        test_id=test_id,
+        payload=payload,
+        modules=modules,
+        sys_path=tuple(p for p in sys.path if p),
+        seed=seed,
+        pg_timeout=pg_timeout_for(deadline),
+        memory_limit=memory_limit,
+        warning_filters=warning_filters,
+        device_audit=device_audit,
+    )
+
+
+def make_pool(key: PoolKey, *, echo: Echo = None) -> RankPool:
+    """A new, not yet started pool for ``key``; ``echo`` streams rank output live (``-s``)."""
+    if key.launcher == "process":
+        # The pools import torch; a session whose tests are all local never pays for it.
+        from harness.process.pool import ProcessPool, ProcessPoolSpec
+
+        def process_pool(extra_env: dict[str, str]) -> RankPool:
+            spec = ProcessPoolSpec(
+                world_size=key.world_size,
+                backend=key.backend,
+                device_type=key.device_type,
+                threads_per_rank=key.threads_per_rank,
+                rendezvous=key.rendezvous,
+                env=(*key.env, *extra_env.items()),
+                echo=echo,
+            )
+            return ProcessPool(spec)
+
+        total = device_count(key.device_type)
+        if total is None:
+            return process_pool({})
+        # Accelerator ranks: lease devices so parallel pytest workers never share one.
+        return LeasedPool(key.device_type, key.world_size, total, process_pool)
+    if key.launcher == "thread":
+        # As above: the thread host imports torch.
+        from harness.threads.host import ThreadHostPool
+
+        return ThreadHostPool(key.world_size, echo=echo)
+    raise ConfigError(
+        f"the {key.launcher!r} launcher does not start ranks: under torchrun, the ranks "
+        f"already exist and each runs pytest with --launcher external"
+    )
+
+
+def pool_manager(echo: Echo = None) -> PoolManager:
+    """An empty set of warm pools that starts each pool on first use."""
+    return PoolManager(lambda key: make_pool(key, echo=echo))

@@ -1,0 +1,53 @@
+"""What the parent and its child processes (rank workers, the thread host) say to each other.
+
+Both sides import this module and nothing else of the other: the parent's pools
+(:mod:`harness.process.pool`, :mod:`harness.threads.host`) build the messages, the children
+(:mod:`harness.process.worker`, :mod:`harness.threads.host_main`) read them.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from harness.task import RankTask
+
+# Exit code of a rank whose parent went away: distinguishable from a test's own exit.
+EXIT_PARENT_GONE = 70
+BETWEEN_TESTS_TIMEOUT_S = 30.0
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    rank: int
+    world_size: int
+    backend: str
+    device_type: str
+    launcher: str
+    threads: int
+    control_fd: int
+    stack_path: str
+    store: dict[str, Any]
+    init_timeout: float
+    parent_pid: int
+    sys_path: tuple[str, ...]
+
+    def to_json(self) -> str:
+        return json.dumps(self.__dict__)
+
+    @classmethod
+    def from_json(cls, text: str) -> WorkerSpec:
+        data = json.loads(text)
+        data["sys_path"] = tuple(data["sys_path"])
+        return cls(**data)
+
+
+@dataclass(frozen=True)
+class ThreadHostRun:
+    """One task for the thread host: run it on ``task_world_size`` rank threads."""
+
+    task: RankTask
+    deadline: float
+    peer_grace: float
+    task_world_size: int

@@ -1,0 +1,55 @@
+"""What one pytest session holds for distributed tests, and which world size an item runs at.
+
+Each key has one owner that sets it: :mod:`harness.plugin` stores the settings at configure
+time, :mod:`harness.pytest_run` the pools and, under torchrun, the external world. Every
+other module reads them through the accessors below, so nothing climbs back up into the
+plugin for them.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import pytest
+
+from harness.config import DistSettings
+
+if TYPE_CHECKING:
+    from harness.external import ExternalWorld
+    from harness.pools import PoolManager
+
+#: The fixture parameter the ``world_size`` marker parametrizes every marked test with.
+WORLD_SIZE_PARAM = "dist_world_size"
+
+SETTINGS_KEY = pytest.StashKey[DistSettings]()
+POOLS_KEY = pytest.StashKey["PoolManager"]()
+EXTERNAL_KEY = pytest.StashKey["ExternalWorld"]()
+
+
+def settings_of(config: pytest.Config) -> DistSettings:
+    """The run's settings; a usage error when the distconform plugin did not configure."""
+    settings = config.stash.get(SETTINGS_KEY, None)
+    if settings is None:
+        raise pytest.UsageError(
+            "distconform is not configured in this session: is the plugin disabled "
+            "(-p no:distconform)?"
+        )
+    return settings
+
+
+def pools_of(config: pytest.Config) -> PoolManager | None:
+    """The session's warm pools (None under torchrun or before configure)."""
+    return config.stash.get(POOLS_KEY, None)
+
+
+def external_world(config: pytest.Config) -> ExternalWorld | None:
+    """The torchrun world this pytest process is a rank of, with ``--launcher external``."""
+    return config.stash.get(EXTERNAL_KEY, None)
+
+
+def world_size_of(item: pytest.Item) -> int | None:
+    """The world size a ``world_size``-marked item runs at; None for any other item."""
+    callspec = getattr(item, "callspec", None)
+    if callspec is None:
+        return None
+    return callspec.params.get(WORLD_SIZE_PARAM)

@@ -1,0 +1,63 @@
+"""The thread host's own loop: it runs in the child process the thread launcher forks.
+
+The parent's side is :mod:`harness.threads.host`; the messages are
+:mod:`harness.process.protocol`'s.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+import traceback
+from multiprocessing.connection import Connection
+
+import torch
+
+from harness.outcomes import Outcome, RankResult, RunResult
+from harness.process.output import end_marker_line
+from harness.process.protocol import ThreadHostRun, WorkerSpec
+from harness.threads.pool import ThreadPool
+
+
+def _host_error(request: ThreadHostRun, exc: Exception) -> RunResult:
+    """The thread pool itself failed: every rank gets the harness's own traceback."""
+    now = time.monotonic()
+    text = "".join(traceback.format_exception(exc))
+    results = [
+        RankResult(
+            rank=rank,
+            outcome=Outcome.FAILED,
+            started_at=now,
+            finished_at=now,
+            error_type=type(exc).__qualname__,
+            error_message=f"the thread host could not run the test: {exc}",
+            traceback=text,
+        )
+        for rank in range(request.task_world_size)
+    ]
+    return RunResult(results, request.task.seed, request.deadline, now, now)
+
+
+def serve_thread_host(spec: WorkerSpec) -> None:
+    """The host process's loop: serve tasks until the parent says stop or goes away."""
+    torch.set_num_threads(spec.threads)
+    conn = Connection(spec.control_fd)
+    pool = ThreadPool(spec.world_size)
+    pool.start()
+    conn.send(("ready", os.getpid()))
+    while True:
+        try:
+            request = conn.recv()
+        except EOFError:
+            return
+        if request is None:
+            return
+        try:
+            run = pool.run(request.task, request.deadline, request.peer_grace)
+        except Exception as exc:
+            run = _host_error(request, exc)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.write(1, end_marker_line(request.task.task_id))
+        conn.send(run)
