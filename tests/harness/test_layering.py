@@ -1,0 +1,160 @@
+"""The packages import one way (conformance -> suites -> impl -> harness) and without loops.
+
+Read from the source, not from running it: a function-local import counts for the direction
+(it is still a dependency), module-level imports for the loops (those are what can fail at
+import time). ``if TYPE_CHECKING:`` imports count for neither.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGES = ("conformance", "suites", "impl", "harness")  # each may import those after it
+
+
+def _modules() -> dict[str, Path]:
+    found = {}
+    for package in PACKAGES:
+        for path in (ROOT / package).rglob("*.py"):
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            if path.name.startswith("test_") or "expectations" in parts[:-1]:
+                continue
+            name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+            found[name] = path
+    return found
+
+
+def _is_type_checking(node: ast.If) -> bool:
+    test = node.test
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def _imports(path: Path, module: str, *, module_level_only: bool) -> set[str]:
+    """The project modules (or packages) ``module`` depends on: ``from a import b`` depends
+    on ``a.b`` where that is a module, else on ``a``."""
+    modules = _modules()
+    tree = ast.parse(path.read_text())
+    found: set[str] = set()
+
+    def visit(node: ast.AST, top: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and _is_type_checking(child):
+                continue
+            inside = top and not isinstance(
+                child, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda
+            )
+            if module_level_only and not inside:
+                visit(child, inside)
+                continue
+            if isinstance(child, ast.Import):
+                found.update(alias.name for alias in child.names)
+            elif isinstance(child, ast.ImportFrom):
+                base = child.module or ""
+                if child.level:
+                    anchor = module.split(".")
+                    package = anchor if path.name == "__init__.py" else anchor[:-1]
+                    package = package[: len(package) - (child.level - 1)]
+                    base = ".".join([*package, base] if base else package)
+                for alias in child.names:
+                    submodule = f"{base}.{alias.name}"
+                    found.add(submodule if submodule in modules else base)
+            visit(child, inside)
+
+    visit(tree, True)
+    return {name for name in found if name.split(".")[0] in PACKAGES}
+
+
+def _resolve(name: str, modules: dict[str, Path]) -> str | None:
+    while name and name not in modules:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def test_every_import_runs_from_a_package_to_those_below_it():
+    modules = _modules()
+    upward = []
+    for module, path in sorted(modules.items()):
+        rank = PACKAGES.index(module.split(".")[0])
+        for imported in sorted(_imports(path, module, module_level_only=False)):
+            if PACKAGES.index(imported.split(".")[0]) < rank:
+                upward.append(f"{module} imports {imported}")
+    assert not upward, "imports against conformance -> suites -> impl -> harness:\n" + "\n".join(
+        upward
+    )
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    components: list[list[str]] = []
+
+    def connect(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for target in graph.get(node, ()):
+            if target not in index:
+                connect(target)
+                low[node] = min(low[node], low[target])
+            elif target in on_stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                components.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            connect(node)
+    return components
+
+
+def test_no_module_level_import_loop():
+    modules = _modules()
+    graph = {}
+    for module, path in modules.items():
+        targets = {
+            _resolve(name, modules) for name in _imports(path, module, module_level_only=True)
+        }
+        # Python runs a module's parent packages before it, whatever it imports; a package
+        # importing its submodules to export them is not a loop.
+        ancestors = {module.rsplit(".", depth)[0] for depth in range(1, module.count(".") + 1)}
+        graph[module] = {t for t in targets if t and t != module and t not in ancestors}
+    loops = _cycles(graph)
+    assert not loops, "module-level import loops:\n" + "\n".join(" <-> ".join(c) for c in loops)
+
+
+@pytest.mark.parametrize(
+    ("graph", "expected"),
+    [({"a": {"b"}, "b": {"a"}}, [["a", "b"]]), ({"a": {"b"}, "b": set()}, [])],
+)
+def test_the_loop_finder_finds_a_loop_and_only_a_loop(graph, expected):
+    assert _cycles(graph) == expected
+
+
+def test_the_import_reader_sees_function_local_and_relative_imports(tmp_path):
+    source = tmp_path / "mod.py"
+    source.write_text(
+        "from typing import TYPE_CHECKING\n"
+        "import harness.config\n"
+        "if TYPE_CHECKING:\n    import suites.cases\n"
+        "def f():\n    from conformance import report\n"
+    )
+    everything = _imports(source, "harness.mod", module_level_only=False)
+    assert {"harness.config", "conformance.report"} <= everything
+    assert "suites.cases" not in everything
+    assert _imports(source, "harness.mod", module_level_only=True) == {"harness.config"}
