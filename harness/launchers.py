@@ -73,7 +73,8 @@ def build_task(
 def make_pool(key: PoolKey, *, echo: Echo = None) -> RankPool:
     """A new, not yet started pool for ``key``; ``echo`` streams rank output live (``-s``)."""
     if key.launcher == "process":
-        # The pools import torch; a session whose tests are all local never pays for it.
+        # The pools import harness.comm and with it DTensor: a session that never starts
+        # ranks (all its tests local, or under torchrun) does not pay for them.
         from harness.process.pool import ProcessPool, ProcessPoolSpec
 
         def process_pool(extra_env: dict[str, str]) -> RankPool:
@@ -94,7 +95,7 @@ def make_pool(key: PoolKey, *, echo: Echo = None) -> RankPool:
         # Accelerator ranks: lease devices so parallel pytest workers never share one.
         return LeasedPool(key.device_type, key.world_size, total, process_pool)
     if key.launcher == "thread":
-        # As above: the thread host imports torch.
+        # As above: the thread host's side imports the process pool.
         from harness.threads.host import ThreadHostPool
 
         return ThreadHostPool(key.world_size, echo=echo)

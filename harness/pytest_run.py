@@ -55,7 +55,8 @@ def configure(config: pytest.Config, settings: DistSettings) -> None:
     streaming = config.getoption("capture") == "no"
     config.stash[POOLS_KEY] = pool_manager(_echo if streaming else None)
     if settings.launcher == "external":
-        # torch.distributed is imported only by sessions that join a torchrun world.
+        # Only a torchrun session runs tests in this process: the rank side (and DTensor,
+        # which it imports) stays out of every other session.
         from harness.external import ExternalWorld
 
         world = ExternalWorld(settings.backend, settings.device_type)
