@@ -90,7 +90,8 @@ def checkpoint_wrapper_api() -> tuple[Callable[..., Any], Callable[..., Any], st
     """torch's ``(checkpoint_wrapper, apply_activation_checkpointing, _CHECKPOINT_PREFIX)``.
 
     The wrapper form of activation checkpointing (one form the activation-checkpointing cases
-    use) lives in a private module in 2.13; the prefix is what the wrapper inserts into parameter names.
+    use) lives in a private module in 2.13; the prefix is what the wrapper inserts into
+    parameter names.
     """
     require_audited_torch("checkpoint_wrapper_api")
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
