@@ -20,6 +20,8 @@ BETWEEN_TESTS_TIMEOUT_S = 30.0
 
 @dataclass(frozen=True)
 class WorkerSpec:
+    """How one rank process starts: JSON on its command line, or from the fork server."""
+
     rank: int
     world_size: int
     backend: str
