@@ -8,6 +8,7 @@ import time). ``if TYPE_CHECKING:`` imports count for neither.
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,7 @@ ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("conformance", "suites", "impl", "harness")  # each may import those after it
 
 
+@functools.cache
 def _modules() -> dict[str, Path]:
     found = {}
     for package in PACKAGES:
