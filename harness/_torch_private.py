@@ -55,6 +55,19 @@ def live_process_groups() -> list[torch.distributed.ProcessGroup]:
     return list(distributed_c10d._world.pg_map.keys())
 
 
+def registered_group_name(group: torch.distributed.ProcessGroup) -> str:
+    """The name c10d registered ``group`` under.
+
+    A Python ``ProcessGroup`` that a vendor's backend creator returns is used by c10d as the
+    group itself, and its ``group_name`` property raises ("ProcessGroup name not set"); the
+    name c10d gave it is only in its registry.
+    """
+    require_audited_torch("registered_group_name")
+    from torch.distributed import distributed_c10d
+
+    return distributed_c10d._world.pg_names[group]
+
+
 def iter_non_default_groups() -> Iterator[torch.distributed.ProcessGroup]:
     """Groups created after init_process_group (subgroups, DeviceMesh dims)."""
     default = torch.distributed.group.WORLD

@@ -20,6 +20,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from harness import _torch_private
+
 # Canonical kinds: one name per collective whatever API issued it.
 ALL_GATHER = "all_gather"
 REDUCE_SCATTER = "reduce_scatter"
@@ -326,7 +328,16 @@ def _short_path(filename: str) -> str:
 
 def default_group_name() -> str | None:
     world = dist.group.WORLD if dist.is_initialized() else None
-    return world.group_name if world is not None else None
+    return group_name_of(world) if world is not None else None
+
+
+def group_name_of(group: dist.ProcessGroup) -> str:
+    """A group's c10d name, also for a vendor's Python ProcessGroup whose own ``group_name``
+    was never set."""
+    try:
+        return group.group_name
+    except RuntimeError:
+        return _torch_private.registered_group_name(group)
 
 
 def group_identity(group: Any, known: Callable[[], Iterable[Any]]) -> tuple[str, tuple[int, ...]]:
@@ -338,11 +349,11 @@ def group_identity(group: Any, known: Callable[[], Iterable[Any]]) -> tuple[str,
         group = dist.group.WORLD
     if isinstance(group, str):
         for candidate in known():
-            if candidate.group_name == group:
+            if group_name_of(candidate) == group:
                 return group, tuple(dist.get_process_group_ranks(candidate))
         return group, ()
     if isinstance(group, dist.ProcessGroup):
-        return group.group_name, tuple(dist.get_process_group_ranks(group))
+        return group_name_of(group), tuple(dist.get_process_group_ranks(group))
     return str(group), ()
 
 

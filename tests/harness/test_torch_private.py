@@ -59,3 +59,9 @@ def test_forget_dtensor_caches_refuses_an_unaudited_torch(monkeypatch):
     monkeypatch.setattr(torch, "__version__", "2.14.0")
     with pytest.raises(_torch_private.PrivateTorchAccessError, match="forget_dtensor_caches"):
         _torch_private.forget_dtensor_caches()
+
+
+def test_registered_group_name_refuses_an_unaudited_torch(monkeypatch):
+    monkeypatch.setattr(_torch_private, "installed_torch_version", lambda: (9, 99))
+    with pytest.raises(_torch_private.PrivateTorchAccessError, match="registered_group_name"):
+        _torch_private.registered_group_name(None)
