@@ -40,13 +40,19 @@ _RED = dist.ReduceOp.RedOpType
 _FLOAT_ONLY = {_RED.AVG}
 
 
+#: Reduced in float32 and cast once: summing in the low-precision type itself rounds after
+#: every addition, less accurate than the precision contract the backend suite checks.
+_WIDENED = {torch.float16: torch.float32, torch.bfloat16: torch.float32}
+
+
 def _reduce(tensors: Sequence[torch.Tensor], op: Any) -> torch.Tensor:
     """Reduce in rank order into a fresh tensor (sequential, hence deterministic)."""
-    acc = tensors[0].detach().clone()
+    dtype = tensors[0].dtype
+    acc = tensors[0].detach().to(_WIDENED.get(dtype, dtype), copy=True)
     if op in _FLOAT_ONLY and not (acc.is_floating_point() or acc.is_complex()):
         raise TypeError(f"ReduceOp.{op.name} needs a floating dtype, got {acc.dtype}")
     for t in tensors[1:]:
-        t = t.to(acc.device)
+        t = t.to(device=acc.device, dtype=acc.dtype)
         if op in (_RED.SUM, _RED.AVG):
             acc.add_(t)
         elif op == _RED.PRODUCT:
@@ -65,7 +71,7 @@ def _reduce(tensors: Sequence[torch.Tensor], op: Any) -> torch.Tensor:
             raise NotImplementedError(f"the threaded backend does not implement {op}")
     if op == _RED.AVG:
         acc.div_(len(tensors))
-    return acc
+    return acc.to(dtype)
 
 
 def _red_op(opts: Any) -> Any:
