@@ -1,8 +1,10 @@
 """``python -m harness conformance``: run the suites in-process and print the report.
 
 Everything after the known options goes to pytest unchanged (``-k``, ``-x``, paths...).
-Without paths it runs the bundled ``suites`` package. Without ``--quick`` it runs every
-case, the ``slow`` ones included; ``--quick`` keeps the project's default selection.
+Without paths it runs one bundled suite: ``--suite fsdp`` (the default: ``suites/`` without
+``suites/backend``, against ``--impl``) or ``--suite backend`` (``suites/backend``, against
+``--backend``). Without ``--quick`` it runs every case, the ``slow`` ones included;
+``--quick`` keeps the project's default selection.
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ import argparse
 from pathlib import Path
 
 DEFAULT_OUT = "conformance-report"
+SUITES = ("fsdp", "backend")
+BACKEND_SUITE_DIR = "backend"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -19,6 +23,13 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run the conformance suites against an implementation and report "
         "PASS / FAIL / XFAIL / XPASS / UNSUPPORTED / SKIP per feature and world size. "
         "Unknown arguments are passed to pytest.",
+    )
+    parser.add_argument(
+        "--suite",
+        choices=SUITES,
+        default="fsdp",
+        help="fsdp: the sharding implementation (--impl) (default); backend: the "
+        "communication backend (--backend)",
     )
     parser.add_argument("--impl", help="reference, torch or package.module[:factory]")
     parser.add_argument("--backend", help="process-group backend (default: the device's)")
@@ -37,6 +48,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="module that registers a c10d backend; imported in every rank (repeatable)",
     )
     parser.add_argument(
+        "--backend-declaration",
+        metavar="FILE",
+        help="what the backend supports (TOML, see suites/backend/declaration.py; default: "
+        "the bundled declaration of --backend)",
+    )
+    parser.add_argument(
         "--quick",
         action="store_true",
         help="only the default (non-slow) subset of the cases",
@@ -53,7 +70,15 @@ def pytest_args(argv: list[str]) -> list[str]:
         "-W",
         "ignore:Module already imported so cannot be rewritten:pytest.PytestAssertRewriteWarning",
     ]
-    for name in ("impl", "backend", "device", "launcher", "world_sizes", "expectations"):
+    for name in (
+        "impl",
+        "backend",
+        "backend_declaration",
+        "device",
+        "launcher",
+        "world_sizes",
+        "expectations",
+    ):
         value = getattr(options, name)
         if value is not None:
             args += [f"--{name.replace('_', '-')}", value]
@@ -64,7 +89,11 @@ def pytest_args(argv: list[str]) -> list[str]:
     if not options.quick:
         args += ["-m", "slow or not slow"]
     if not any(not arg.startswith("-") and Path(arg.split("::")[0]).exists() for arg in rest):
-        args.append(str(_suites_dir()))
+        suites_dir = _suites_dir()
+        if options.suite == "backend":
+            args.append(str(suites_dir / BACKEND_SUITE_DIR))
+        else:
+            args += [str(suites_dir), "--ignore", str(suites_dir / BACKEND_SUITE_DIR)]
     return args + rest
 
 

@@ -85,11 +85,17 @@ class Entry:
 
 @dataclass
 class Expectations:
-    """Every entry of one file, in file order."""
+    """Every entry of one file (or of several, see :func:`combine`), in file order."""
 
     source: Path | None = None
     xfails: list[Entry] = field(default_factory=list)
     tolerances: list[Entry] = field(default_factory=list)
+    #: Every file read, ``source`` first (several when the backend's are combined in).
+    sources: list[Path] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.source is not None and not self.sources:
+            self.sources = [self.source]
 
     @property
     def entries(self) -> list[Entry]:
@@ -103,6 +109,18 @@ class Expectations:
         """The last tolerance entry selecting ``nodeid``: a later, narrower entry wins."""
         found = [entry for entry in self.tolerances if entry.matches(nodeid)]
         return found[-1] if found else None
+
+
+def combine(*parts: Expectations) -> Expectations:
+    """The entries of several files as one set, in the order given (the implementation's,
+    then the backend's): the first matching xfail wins, the last matching tolerance."""
+    sources = [path for part in parts for path in part.sources]
+    return Expectations(
+        source=sources[0] if sources else None,
+        xfails=[entry for part in parts for entry in part.xfails],
+        tolerances=[entry for part in parts for entry in part.tolerances],
+        sources=sources,
+    )
 
 
 def load(path: str | Path) -> Expectations:

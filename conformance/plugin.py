@@ -25,15 +25,25 @@ import pytest
 import suites
 from conformance import hookspecs
 from conformance import report as conformance_report
-from conformance.expectations import Entry, Expectations, ExpectationsError, load
+from conformance.expectations import Entry, Expectations, ExpectationsError, combine, load
 from conformance.tolerance import Tolerance
-from harness.session import world_size_of
+from harness.session import settings_of, world_size_of
 from impl.api import ENV_VAR, Implementation, default_spec, load_implementation
-from suites.cases import CASE_MARKER, Profile, apply_case_table, load_profiles
+from suites.backend.declaration import BackendDeclaration, DeclarationError, load_declaration
+from suites.cases import (
+    BACKEND,
+    CASE_MARKER,
+    Profile,
+    apply_case_table,
+    case,
+    load_profiles,
+)
 
 PLUGIN_NAME = "distconform-conformance-report"
 JUNIT_NAME = "conformance.junit.xml"
 TOLERANCE_KEY = pytest.StashKey[Tolerance]()
+DECLARATION_KEY = pytest.StashKey[BackendDeclaration]()
+BACKEND_EXPECTATIONS_DIR = Path(suites.__file__).parent / "backend" / "expectations"
 
 
 class StaleExpectationWarning(pytest.PytestWarning):
@@ -72,7 +82,15 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         default=None,
         metavar="FILE",
         help="expected failures and tolerance overrides of the implementation under test "
-        "(TOML; default: suites/expectations/<impl>.toml when it exists)",
+        "(TOML; default: suites/expectations/<impl>.toml when it exists; the backend "
+        "suite adds suites/backend/expectations/<backend>.toml)",
+    )
+    group.addoption(
+        "--backend-declaration",
+        default=None,
+        metavar="FILE",
+        help="what the backend under test supports, for the backend suite (TOML; default: "
+        "suites/backend/declarations/<backend>.toml; none: every capability is held)",
     )
 
 
@@ -123,22 +141,48 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     # First, so that the slow marks added here are seen by -m's deselection.
     if not any(item.get_closest_marker(CASE_MARKER) for item in items):
         return
-    spec = selected_spec(config)
-    try:
-        capabilities = load_implementation(spec).capabilities
-    except (ImportError, ValueError, TypeError) as error:
-        raise pytest.UsageError(f"--impl {spec}: {error}") from error
     inapplicable = apply_case_table(
         items,
         device_type=config.getoption("device") or "cpu",
         launcher=config.getoption("launcher") or config.getini("dist_launcher"),
-        capabilities=capabilities,
+        capabilities_of=lambda subject: declared_capabilities(config, subject),
         world_size_of=world_size_of,
     )
     if inapplicable:
         left_out = {id(item) for item in inapplicable}
         items[:] = [item for item in items if id(item) not in left_out]
         config.hook.pytest_deselected(items=inapplicable)
+
+
+def declared_capabilities(config: pytest.Config, subject: str) -> frozenset[str]:
+    """What the implementation (``--impl``) or the backend (``--backend``) declares."""
+    if subject == BACKEND:
+        return backend_declaration(config).capabilities
+    spec = selected_spec(config)
+    try:
+        return load_implementation(spec).capabilities
+    except (ImportError, ValueError, TypeError) as error:
+        raise pytest.UsageError(f"--impl {spec}: {error}") from error
+
+
+def backend_declaration(config: pytest.Config) -> BackendDeclaration:
+    """The run's backend's declaration, read once per session."""
+    declaration = config.stash.get(DECLARATION_KEY, None)
+    if declaration is None:
+        try:
+            declaration = load_declaration(
+                settings_of(config).backend, config.getoption("backend_declaration")
+            )
+        except DeclarationError as exc:
+            raise pytest.UsageError(f"distconform: {exc}") from None
+        config.stash[DECLARATION_KEY] = declaration
+    return declaration
+
+
+def default_backend_expectations(backend: str) -> Expectations:
+    """``suites/backend/expectations/<backend>.toml`` for a bundled backend, if it exists."""
+    path = BACKEND_EXPECTATIONS_DIR / f"{backend}.toml"
+    return load(path) if backend.isidentifier() and path.is_file() else Expectations()
 
 
 @pytest.fixture(scope="session")
@@ -196,6 +240,8 @@ class ConformancePlugin:
             args += ["--impl", spec]
         for module in config.getoption("backend_plugin"):
             args += ["--backend-plugin", module]
+        if config.getoption("backend_declaration"):
+            args += ["--backend-declaration", config.getoption("backend_declaration")]
         if config.getoption("expectations"):
             args += ["--expectations", config.getoption("expectations")]
         return args
@@ -206,6 +252,20 @@ class ConformancePlugin:
     def pytest_collection_modifyitems(self, config: pytest.Config, items: list[pytest.Item]):
         # Before any deselection: staleness is judged against everything collected.
         collected_files = {item.nodeid.split("::", 1)[0] for item in items}
+        backend_cases = any(
+            (marker := item.get_closest_marker(CASE_MARKER)) is not None
+            and case(marker.args[0]).subject == BACKEND
+            for item in items
+        )
+        if backend_cases and not config.getoption("expectations"):
+            # A named file replaces every default, as it does for the implementation's.
+            backend = settings_of(config).backend
+            try:
+                self.expectations = combine(
+                    self.expectations, default_backend_expectations(backend)
+                )
+            except ExpectationsError as exc:
+                raise pytest.UsageError(f"distconform: {exc}") from None
         used: set[int] = set()
         for item in items:
             self.recorder.describe_item(item)
@@ -243,7 +303,12 @@ class ConformancePlugin:
     def pytest_sessionfinish(self, session: pytest.Session) -> None:
         if not self.reporting or hasattr(self.config, "workerinput"):
             return  # a pytest-xdist worker: the controller sees every report and writes
-        environment = conformance_report.environment_of(self.config, self.spec, self.expectations)
+        # From the reports, not the items: a pytest-xdist controller collects none.
+        backend_cases = any(r.subject == BACKEND for r in self.recorder.results.values())
+        declaration = backend_declaration(self.config).describe() if backend_cases else None
+        environment = conformance_report.environment_of(
+            self.config, self.spec, self.expectations, declaration
+        )
         self.report = self.recorder.build(environment, self.stale, self.profiles)
         if self.out_dir is not None:
             junit = getattr(self.config.option, "xmlpath", None)

@@ -42,7 +42,15 @@ import pytest
 from conformance.expectations import Entry, Expectations
 from harness.backend_plugins import ENV_VAR as BACKEND_PLUGINS_VAR
 from harness.session import SETTINGS_KEY, world_size_of
-from suites.cases import CAPABILITIES_PROPERTY, CASE_PROPERTY, UNSUPPORTED_PREFIX, Profile
+from suites.cases import (
+    BACKEND,
+    CAPABILITIES_PROPERTY,
+    CASE_PROPERTY,
+    IMPLEMENTATION,
+    SUBJECT_PROPERTY,
+    UNSUPPORTED_PREFIX,
+    Profile,
+)
 
 SCHEMA = "distconform-conformance"
 SCHEMA_VERSION = 2
@@ -68,6 +76,8 @@ class TestResult:
     case: str | None = None
     #: The capabilities it needs (sorted; empty when it needs none or is no case).
     capabilities: list[str] = field(default_factory=list)
+    #: Whose capabilities those are: the implementation's or the backend's (None: no case).
+    subject: str | None = None
 
 
 def feature_of(item: pytest.Item) -> str:
@@ -190,6 +200,7 @@ def _read_case_properties(result: TestResult, report: pytest.TestReport) -> None
     if CASE_PROPERTY not in properties:
         return  # "capabilities" alone may be a project's own record_property
     result.case = str(properties[CASE_PROPERTY])
+    result.subject = str(properties.get(SUBJECT_PROPERTY, IMPLEMENTATION))
     needs = str(properties.get(CAPABILITIES_PROPERTY, ""))
     result.capabilities = sorted(cap for cap in needs.split(",") if cap)
 
@@ -226,6 +237,7 @@ def profiles_from_hook(raw: Any) -> list[Profile]:
                 str(entry.get("description", "")),
                 entry.get("required", False),
                 tuple(capabilities),
+                str(entry.get("subject", IMPLEMENTATION)),
             )
         )
     return profiles
@@ -358,31 +370,44 @@ class ConformanceReport:
     stale: list[Entry] = field(default_factory=list)
     profiles: list[Profile] = field(default_factory=list)
 
+    def subjects(self) -> list[str]:
+        """Whose cases this run holds: the implementation's, the backend's, or both."""
+        present = {result.subject for result in self.tests if result.case is not None}
+        return [subject for subject in (IMPLEMENTATION, BACKEND) if subject in present]
+
+    def subject_record(self, subject: str) -> dict[str, Any]:
+        """The environment's record of the implementation or the backend under test."""
+        key = "backend_declaration" if subject == BACKEND else "implementation"
+        return self.environment.get(key) or {}
+
     def profile_results(self) -> list[ProfileResult]:
-        """Every required profile, then each other profile with tests; none when no test of
-        this run is tied to a case (a project's own tests)."""
-        cased = [result for result in self.tests if result.case is not None]
-        if not self.profiles or not cased:
-            return []
-        implementation = self.environment.get("implementation") or {}
-        declared = frozenset(implementation.get("capabilities") or ())
-        members: dict[str, list[TestResult]] = {profile.name: [] for profile in self.profiles}
-        for result in cased:
-            for profile in profiles_of_test(result.capabilities, self.profiles):
-                members[profile.name].append(result)
-        required = [p for p in self.profiles if p.required]
-        others = sorted(
-            (p for p in self.profiles if not p.required and members[p.name]),
-            key=lambda p: p.name,
-        )
-        return [ProfileResult(p, members[p.name], declared) for p in [*required, *others]]
+        """For each subject with cases in this run: every required profile, then each other
+        profile with tests; none when no test of this run is tied to a case."""
+        results = []
+        for subject in self.subjects():
+            profiles = [p for p in self.profiles if p.subject == subject]
+            declared = frozenset(self.subject_record(subject).get("capabilities") or ())
+            members: dict[str, list[TestResult]] = {profile.name: [] for profile in profiles}
+            for result in self.tests:
+                if result.case is not None and result.subject == subject:
+                    for profile in profiles_of_test(result.capabilities, profiles):
+                        members[profile.name].append(result)
+            required = [p for p in profiles if p.required]
+            others = sorted(
+                (p for p in profiles if not p.required and members[p.name]),
+                key=lambda p: p.name,
+            )
+            results += [ProfileResult(p, members[p.name], declared) for p in [*required, *others]]
+        return results
 
     def not_conformant_lines(self, *, markdown: bool = False) -> list[str]:
-        """One verdict per required profile the implementation does not fully declare."""
-        name = (self.environment.get("implementation") or {}).get("name") or "the implementation"
+        """One verdict per required profile the implementation or backend does not fully
+        declare."""
         lines = []
         for result in self.profile_results():
             if result.withheld:
+                record = self.subject_record(result.profile.subject)
+                name = record.get("name") or f"the {result.profile.subject}"
                 verdict = f"NOT CONFORMANT to {result.profile.name}"
                 verdict = f"**{verdict}**" if markdown else verdict
                 lines.append(
@@ -488,12 +513,27 @@ class ConformanceReport:
 
     def header_lines(self) -> list[str]:
         env = self.environment
-        impl = env.get("implementation", {})
-        capabilities = ", ".join(impl.get("capabilities", [])) or "none declared"
+        subjects = self.subjects() or [IMPLEMENTATION]
+        lines = []
+        if IMPLEMENTATION in subjects:
+            impl = env.get("implementation", {})
+            capabilities = ", ".join(impl.get("capabilities", [])) or "none declared"
+            lines.append(
+                f"implementation: {impl.get('name', '?')} (spec {impl.get('spec', '?')}); "
+                f"capabilities: {capabilities}"
+            )
+        if BACKEND in subjects:
+            backend = env.get("backend_declaration", {})
+            declared_in = backend.get("declaration") or "no declaration: every capability held"
+            not_declared = ", ".join(backend.get("not_declared", {})) or "none"
+            lines.append(
+                f"backend under test: {backend.get('name', '?')} ({declared_in}); "
+                f"{len(backend.get('capabilities', []))} capabilities declared; not declared: "
+                f"{not_declared}"
+            )
         sizes = env.get("world_sizes") or "all"
         return [
-            f"implementation: {impl.get('name', '?')} (spec {impl.get('spec', '?')}); "
-            f"capabilities: {capabilities}",
+            *lines,
             f"torch {env.get('torch_version')}, launcher {env.get('launcher')}, backend "
             f"{env.get('backend')}, device {env.get('device')}, world sizes {sizes}, "
             f"seed {env.get('seed')}, {env.get('date')}",
@@ -503,6 +543,27 @@ class ConformanceReport:
                 if env.get("backend_plugins")
                 else ""
             ),
+        ]
+
+    def title(self) -> str:
+        names = []
+        for subject in self.subjects() or [IMPLEMENTATION]:
+            name = self.subject_record(subject).get("name")
+            names.append(f"backend {name}" if subject == BACKEND else str(name))
+        return " and ".join(names)
+
+    def not_declared_lines(self) -> list[str]:
+        """The backend's reasons for each capability it leaves out (Markdown bullets)."""
+        if BACKEND not in self.subjects():
+            return []
+        reasons = self.subject_record(BACKEND).get("not_declared") or {}
+        if not reasons:
+            return []
+        return [
+            "",
+            "Not declared by the backend:",
+            "",
+            *(f"- `{cap}`: {why}" for cap, why in reasons.items()),
         ]
 
     def notable_lines(self) -> list[str]:
@@ -535,7 +596,7 @@ class ConformanceReport:
         percent = _percent_text(self.percent())
         headline = self.headline_lines(markdown=True)
         lines = [
-            f"# Conformance report: {self.environment.get('implementation', {}).get('name')}",
+            f"# Conformance report: {self.title()}",
             "",
             # "Run:" keeps the run's bullets from joining the profiles' list.
             *([*headline, "", "Run:", ""] if headline else []),
@@ -545,6 +606,7 @@ class ConformanceReport:
             *self.table_lines(),
             "",
             *self.notable_lines(),
+            *self.not_declared_lines(),
         ]
         return "\n".join(lines).rstrip() + "\n"
 
@@ -574,7 +636,10 @@ class ConformanceReport:
 
 
 def environment_of(
-    config: pytest.Config, spec: str | None, expectations: Expectations
+    config: pytest.Config,
+    spec: str | None,
+    expectations: Expectations,
+    backend_declaration: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The report's header: what ran, against what, where and when."""
     # Imported at the end of the run only: the report module loads with every session.
@@ -587,6 +652,7 @@ def environment_of(
         "python": platform.python_version(),
         "platform": platform.platform(),
         "implementation": describe_implementation(spec),
+        "backend_declaration": backend_declaration,
         "launcher": settings.launcher if settings else None,
         "backend": settings.backend if settings else None,
         "device": settings.device_type if settings else None,
@@ -594,7 +660,7 @@ def environment_of(
         "seed": settings.seed if settings else None,
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "backend_plugins": plugins,
-        "expectations": str(expectations.source) if expectations.source else None,
+        "expectations": ", ".join(str(path) for path in expectations.sources) or None,
         "command": [sys.executable, "-m", "pytest", *config.invocation_params.args],
     }
 

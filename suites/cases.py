@@ -1,4 +1,10 @@
-"""The case table (``suites/cases.toml``) and how it turns into pytest items and skips.
+"""The case tables and how they turn into pytest items and skips.
+
+Two tables, one per subject under test: ``suites/cases.toml`` (the sharding implementation,
+capabilities declared by ``--impl``) and ``suites/backend/cases.toml`` (the communication
+backend, capabilities declared in its TOML declaration, ``suites/backend/declaration.py``).
+They share one format and one id space; each row records its subject, so the conformance
+plugin asks the right party for capabilities and the report keeps their profiles apart.
 
 A suite function is tied to one case with ``@conformance("fsdp.parity.single_group")``: the
 decorator marks it with the case's world sizes (one item per size) and with
@@ -44,11 +50,19 @@ from typing import Any
 import pytest
 
 CASES_FILE = Path(__file__).with_name("cases.toml")
+#: The backend suite's table: cases about a communication backend, not an implementation.
+BACKEND_CASES_FILE = Path(__file__).parent / "backend" / "cases.toml"
+#: What a case table's capabilities belong to: the FSDP implementation (``--impl``) or the
+#: c10d backend (``--backend``); each has its own capabilities, profiles and declaration.
+IMPLEMENTATION = "implementation"
+BACKEND = "backend"
+SUBJECTS = (IMPLEMENTATION, BACKEND)
 #: The marker ``@conformance`` puts on a suite function (registered by the conformance plugin).
 CASE_MARKER = "conformance_case"
 #: User properties of a test tied to a case, which the conformance report groups by profile.
 CASE_PROPERTY = "conformance_case"
 CAPABILITIES_PROPERTY = "capabilities"
+SUBJECT_PROPERTY = "conformance_subject"
 CPU_PREFIX = "CPU:"
 UNSUPPORTED_PREFIX = "UNSUPPORTED:"
 LAUNCHER_PREFIX = "LAUNCHER:"
@@ -64,6 +78,8 @@ class Profile:
     description: str
     required: bool
     capabilities: tuple[str, ...]
+    #: Whose capabilities these are (``IMPLEMENTATION`` or ``BACKEND``).
+    subject: str = IMPLEMENTATION
 
     def as_hook_dict(self) -> dict[str, Any]:
         """The form ``pytest_distconform_conformance_profiles`` returns."""
@@ -72,6 +88,7 @@ class Profile:
             "description": self.description,
             "required": self.required,
             "capabilities": list(self.capabilities),
+            "subject": self.subject,
         }
 
 
@@ -94,6 +111,8 @@ class Case:
     suite: str = ""
     #: Items parametrized by ``capability=X`` apply only where X is not declared (refusals).
     only_undeclared: bool = False
+    #: Whose capabilities ``requires`` names: the implementation's or the backend's.
+    subject: str = IMPLEMENTATION
 
     def needed_capabilities(self, tokens: Iterable[str]) -> list[str]:
         """What an item with these parameter tokens needs: ``requires`` plus its grid values'
@@ -143,12 +162,15 @@ def parse_cases(
     *,
     known_capabilities: Iterable[str] | None = None,
     require_description: bool = False,
+    subject: str = IMPLEMENTATION,
 ) -> dict[str, Case]:
     """The cases of a TOML text, validated (unknown keys and capabilities are errors).
 
     A ``description`` must be a non-empty string wherever it is given; with
     ``require_description`` (the project's table: :func:`read_cases`) every row needs one.
-    Fragments parsed to exercise other rules may leave it out.
+    Fragments parsed to exercise other rules may leave it out. A top-level
+    ``[param_requires]`` applies to every row (the backend table's ``dtype=X`` tokens), under
+    the row's own entries.
     """
     known = frozenset(known_capabilities) if known_capabilities is not None else None
     allowed_keys = {
@@ -165,7 +187,11 @@ def parse_cases(
         "suite",
         "only_undeclared",
     }
-    raw = tomllib.loads(text).get("case", {})
+    document = tomllib.loads(text)
+    raw = document.get("case", {})
+    shared_requires = {
+        k: _tuple(v, "param_requires") for k, v in document.get("param_requires", {}).items()
+    }
     cases: dict[str, Case] = {}
     for case_id, row in raw.items():
         unknown = set(row) - allowed_keys
@@ -185,8 +211,11 @@ def parse_cases(
         if not cpu and not str(row.get("cpu_reason", "")).startswith(CPU_PREFIX):
             raise ValueError(f"case {case_id!r}: cpu = false needs a cpu_reason starting 'CPU:'")
         param_requires = {
-            k: _tuple(v, f"{case_id}.param_requires")
-            for k, v in row.get("param_requires", {}).items()
+            **shared_requires,
+            **{
+                k: _tuple(v, f"{case_id}.param_requires")
+                for k, v in row.get("param_requires", {}).items()
+            },
         }
         cpu_skip = dict(row.get("cpu_skip", {}))
         for token, reason in cpu_skip.items():
@@ -215,12 +244,16 @@ def parse_cases(
             fast=None if fast is None else _tuple(fast, f"{case_id}.fast"),
             suite=row.get("suite", ""),
             only_undeclared=bool(row.get("only_undeclared", False)),
+            subject=subject,
         )
     return cases
 
 
 def parse_profiles(
-    text: str, *, known_capabilities: Iterable[str] | None = None
+    text: str,
+    *,
+    known_capabilities: Iterable[str] | None = None,
+    subject: str = IMPLEMENTATION,
 ) -> dict[str, Profile]:
     """The ``[profile.NAME]`` rows of a TOML text, validated like the cases."""
     known = frozenset(known_capabilities) if known_capabilities is not None else None
@@ -240,12 +273,14 @@ def parse_profiles(
             raise ValueError(
                 f"profile {name!r}: unknown capabilities {sorted(set(capabilities) - known)}"
             )
-        profiles[name] = Profile(name, str(row.get("description", "")), required, capabilities)
+        profiles[name] = Profile(
+            name, str(row.get("description", "")), required, capabilities, subject
+        )
     return profiles
 
 
 def with_extensions(
-    profiles: dict[str, Profile], known_capabilities: Iterable[str]
+    profiles: dict[str, Profile], known_capabilities: Iterable[str], subject: str = IMPLEMENTATION
 ) -> tuple[Profile, ...]:
     """The table's profiles, then one extension per capability none of them lists."""
     listed = {cap for profile in profiles.values() for cap in profile.capabilities}
@@ -253,42 +288,71 @@ def with_extensions(
     for capability in sorted(set(known_capabilities) - listed):
         if capability in profiles:
             raise ValueError(f"profile {capability!r} is named after a capability it leaves out")
-        extensions.append(Profile(capability, f"extension: {capability}", False, (capability,)))
+        extensions.append(
+            Profile(capability, f"extension: {capability}", False, (capability,), subject)
+        )
     return (*profiles.values(), *extensions)
+
+
+def known_capabilities(subject: str) -> frozenset[str]:
+    """The capability names a subject's case table and declarations may use."""
+    if subject == BACKEND:
+        from suites.backend.declaration import KNOWN_BACKEND_CAPABILITIES
+
+        return KNOWN_BACKEND_CAPABILITIES
+    # impl.api imports torch; the report's header needs the profiles before any test runs.
+    from impl.api import KNOWN_CAPABILITIES
+
+    return KNOWN_CAPABILITIES
+
+
+#: subject -> its case table.
+TABLES = {IMPLEMENTATION: CASES_FILE, BACKEND: BACKEND_CASES_FILE}
 
 
 @functools.cache
 def load_profiles() -> tuple[Profile, ...]:
-    """The project's profiles: those of the case table, then the generated extensions."""
-    # impl.api imports torch; the report's header needs the profiles before any test runs.
-    from impl.api import KNOWN_CAPABILITIES
+    """The project's profiles: each table's, then its generated extensions."""
+    loaded: list[Profile] = []
+    for subject, path in TABLES.items():
+        known = known_capabilities(subject)
+        profiles = parse_profiles(path.read_text(), known_capabilities=known, subject=subject)
+        if not any(profile.required for profile in profiles.values()):
+            raise ValueError(f"{path} defines no required profile")
+        loaded += with_extensions(profiles, known, subject)
+    return tuple(loaded)
 
-    profiles = parse_profiles(CASES_FILE.read_text(), known_capabilities=KNOWN_CAPABILITIES)
-    if not any(profile.required for profile in profiles.values()):
-        raise ValueError(f"{CASES_FILE.name} defines no required profile")
-    return with_extensions(profiles, KNOWN_CAPABILITIES)
 
-
-def read_cases(path: Path = CASES_FILE) -> dict[str, Case]:
+def read_cases(path: Path = CASES_FILE, subject: str = IMPLEMENTATION) -> dict[str, Case]:
     """A case table file checked like the project's: known capabilities, every row described."""
-    from impl.api import KNOWN_CAPABILITIES
-
     return parse_cases(
-        path.read_text(), known_capabilities=KNOWN_CAPABILITIES, require_description=True
+        path.read_text(),
+        known_capabilities=known_capabilities(subject),
+        require_description=True,
+        subject=subject,
     )
 
 
 @functools.cache
 def load_cases() -> dict[str, Case]:
-    """The project's case table."""
-    return read_cases(CASES_FILE)
+    """The project's case tables, the implementation's and the backend's, by case id."""
+    cases: dict[str, Case] = {}
+    for subject, path in TABLES.items():
+        table = read_cases(path, subject)
+        twice = set(table) & set(cases)
+        if twice:
+            raise ValueError(f"case ids {sorted(twice)} are in more than one case table")
+        cases.update(table)
+    return cases
 
 
 def case(case_id: str) -> Case:
     try:
         return load_cases()[case_id]
     except KeyError:
-        raise KeyError(f"no case {case_id!r} in {CASES_FILE.name}") from None
+        raise KeyError(
+            f"no case {case_id!r} in {CASES_FILE.name} or {BACKEND_CASES_FILE.name}"
+        ) from None
 
 
 def conformance(case_id: str) -> Callable[[Callable], Callable]:
@@ -358,6 +422,7 @@ def _record_case(item: pytest.Item, row: Case, tokens: Iterable[str]) -> None:
         return  # collection hooks may run twice (e.g. a plugin re-applying the table)
     item.user_properties.append((CASE_PROPERTY, row.case_id))
     item.user_properties.append((CAPABILITIES_PROPERTY, ",".join(row.needed_capabilities(tokens))))
+    item.user_properties.append((SUBJECT_PROPERTY, row.subject))
 
 
 def apply_case_table(
@@ -365,12 +430,16 @@ def apply_case_table(
     *,
     device_type: str,
     launcher: str,
-    capabilities: frozenset[str],
+    capabilities_of: Callable[[str], frozenset[str]],
     world_size_of: Callable[[pytest.Item], int | None],
 ) -> list[pytest.Item]:
     """Add the skips, ``slow`` and ``fresh_pool`` marks the case table asks for, and the user
     properties the conformance report reads; return the items that do not apply at all (an
-    ``only_undeclared`` case's items for declared capabilities), for the caller to deselect."""
+    ``only_undeclared`` case's items for declared capabilities), for the caller to deselect.
+
+    ``capabilities_of(subject)`` gives what the implementation or the backend declares; it
+    is asked only for subjects whose cases were collected.
+    """
     inapplicable = []
     for item in items:
         marker = item.get_closest_marker(CASE_MARKER)
@@ -378,6 +447,7 @@ def apply_case_table(
             continue
         row = case(marker.args[0])
         param_id, tokens = param_tokens(item)
+        capabilities = capabilities_of(row.subject)
         if row.only_undeclared and _probed_capability(tokens) in capabilities:
             inapplicable.append(item)
             continue

@@ -1,6 +1,8 @@
-"""The case catalogue: ``docs/cases.md`` rendered from the case table (``suites/cases.toml``).
+"""The case catalogues: ``docs/cases.md`` rendered from the implementation's case table
+(``suites/cases.toml``) and ``docs/backend-cases.md`` from the backend suite's
+(``suites/backend/cases.toml``).
 
-``python -m suites.catalogue`` writes it; ``python -m suites.catalogue --check`` exits non-zero
+``python -m suites.catalogue`` writes both; ``python -m suites.catalogue --check`` exits non-zero
 when the committed file differs from what the table renders to (``tests/suites/test_catalogue.py``
 runs the same check). The table is read like the suites read it (:func:`suites.cases.read_cases`:
 known capabilities, a description on every row), so a row without a description fails here too.
@@ -22,10 +24,14 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from suites.cases import (
+    BACKEND,
+    BACKEND_CASES_FILE,
     CASES_FILE,
+    IMPLEMENTATION,
     LAUNCHERS,
     Case,
     Profile,
+    known_capabilities,
     parse_profiles,
     read_cases,
     with_extensions,
@@ -34,6 +40,22 @@ from suites.cases import (
 SUITES_DIR = Path(__file__).resolve().parent
 REPO_ROOT = SUITES_DIR.parent
 CATALOGUE_FILE = REPO_ROOT / "docs" / "cases.md"
+BACKEND_CATALOGUE_FILE = REPO_ROOT / "docs" / "backend-cases.md"
+#: subject -> (its case table, its catalogue).
+CATALOGUES = {
+    IMPLEMENTATION: (CASES_FILE, CATALOGUE_FILE),
+    BACKEND: (BACKEND_CASES_FILE, BACKEND_CATALOGUE_FILE),
+}
+#: How each catalogue names what it tests and where its capabilities are listed.
+_SUBJECT_WORDS = {
+    IMPLEMENTATION: ("implementation", "`impl.api.KNOWN_CAPABILITIES`", "suites/cases.toml"),
+    BACKEND: (
+        "backend",
+        "`suites/backend/declaration.py`, declared per backend in "
+        "`suites/backend/declarations/<backend>.toml`",
+        "suites/backend/cases.toml",
+    ),
+}
 COMMAND = "python -m suites.catalogue"
 
 _AREA_LINE = re.compile(r"^# -{3} (?P<title>.+?) -*$")
@@ -163,25 +185,30 @@ def _anchor(title: str) -> str:
     return re.sub(r"[^\w\- ]", "", title.lower()).replace(" ", "-")
 
 
-def render(text: str, cases: dict[str, Case], *, suites_dir: Path = SUITES_DIR) -> str:
+def render(
+    text: str,
+    cases: dict[str, Case],
+    *,
+    suites_dir: Path = SUITES_DIR,
+    subject: str = IMPLEMENTATION,
+) -> str:
     """The catalogue for the table ``text`` whose parsed cases are ``cases``."""
-    from impl.api import KNOWN_CAPABILITIES
-
-    profiles = with_extensions(
-        parse_profiles(text, known_capabilities=KNOWN_CAPABILITIES), KNOWN_CAPABILITIES
-    )
+    known = known_capabilities(subject)
+    profiles = with_extensions(parse_profiles(text, known_capabilities=known), known)
+    who, capability_list, table = _SUBJECT_WORDS[subject]
+    title = "Backend case catalogue" if subject == BACKEND else "Conformance case catalogue"
     areas = case_areas(text)
     grouped: dict[str, list[Case]] = {}
     for case_id, row in cases.items():
         grouped.setdefault(areas.get(case_id, OTHER_AREA), []).append(row)
 
     lines = [
-        f"<!-- Generated from suites/cases.toml by `{COMMAND}`; do not edit by hand. -->",
+        f"<!-- Generated from {table} by `{COMMAND}`; do not edit by hand. -->",
         "",
-        "# Conformance case catalogue",
+        f"# {title}",
         "",
-        f"Every conformance case of the suites: {len(cases)} cases, one per row of "
-        "`suites/cases.toml`, grouped by area. Edit the table, then run "
+        f"Every conformance case of the {who} suites: {len(cases)} cases, one per row of "
+        f"`{table}`, grouped by area. Edit the table, then run "
         f"`{COMMAND}` to regenerate this file; `{COMMAND} --check` (and "
         "`tests/suites/test_catalogue.py`) fails while it is out of date.",
         "",
@@ -191,8 +218,8 @@ def render(text: str, cases: dict[str, Case], *, suites_dir: Path = SUITES_DIR) 
         "behaviour upstream leaves untested.",
         "- **world sizes**: one pytest item per size; grid points outside the case's `fast` "
         'patterns run only in the slow run (`-m "slow or not slow"`).',
-        "- **capabilities**: what the implementation must declare "
-        "(`impl.api.KNOWN_CAPABILITIES`); an item needing one it does not declare is skipped "
+        f"- **capabilities**: what the {who} must declare "
+        f"({capability_list}); an item needing one it does not declare is skipped "
         "`UNSUPPORTED`. A grid value (a token of the item's parameter id) can add more.",
         "- **CPU**: what a `--device cpu` run does with the case's items (`CPU:` skips).",
         '- **implemented by**: the suite function decorated `@conformance("<case id>")`.',
@@ -235,11 +262,11 @@ def render(text: str, cases: dict[str, Case], *, suites_dir: Path = SUITES_DIR) 
     return "\n".join(lines)
 
 
-def render_file(cases_file: Path = CASES_FILE) -> tuple[str, int]:
+def render_file(cases_file: Path = CASES_FILE, subject: str = IMPLEMENTATION) -> tuple[str, int]:
     """The catalogue for a case table file validated like the project's table (its suites are
     looked up in ``suites/``), and its number of cases."""
-    cases = read_cases(cases_file)
-    return render(cases_file.read_text(), cases), len(cases)
+    cases = read_cases(cases_file, subject)
+    return render(cases_file.read_text(), cases, subject=subject), len(cases)
 
 
 def _display(path: Path) -> str:
@@ -251,28 +278,43 @@ def _display(path: Path) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog=COMMAND, description="Render docs/cases.md from suites/cases.toml."
+        prog=COMMAND,
+        description="Render docs/cases.md from suites/cases.toml and docs/backend-cases.md "
+        "from suites/backend/cases.toml.",
     )
     parser.add_argument(
         "--check",
         action="store_true",
         help="write nothing; exit 1 if the catalogue file is missing or out of date",
     )
-    parser.add_argument("--cases", type=Path, default=CASES_FILE, help=argparse.SUPPRESS)
-    parser.add_argument("--output", type=Path, default=CATALOGUE_FILE, help=argparse.SUPPRESS)
+    # One table and catalogue instead of the project's two (the tests' temporary files).
+    parser.add_argument("--cases", type=Path, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--output", type=Path, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--subject", default=IMPLEMENTATION, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.cases or args.output:
+        default_cases, default_output = CATALOGUES[args.subject]
+        jobs = [(args.subject, args.cases or default_cases, args.output or default_output)]
+    else:
+        jobs = [(subject, *files) for subject, files in CATALOGUES.items()]
+    worst = 0
+    for subject, cases_file, output in jobs:
+        worst = max(worst, _catalogue(subject, cases_file, output, check=args.check))
+    return worst
+
+
+def _catalogue(subject: str, cases_file: Path, output: Path, *, check: bool) -> int:
     try:
-        rendered, n_cases = render_file(args.cases)
+        rendered, n_cases = render_file(cases_file, subject)
     except ValueError as error:  # tomllib.TOMLDecodeError included
-        print(f"{_display(args.cases)}: {error}", file=sys.stderr)
+        print(f"{_display(cases_file)}: {error}", file=sys.stderr)
         return 2
-    output = args.output
-    if args.check:
+    if check:
         current = output.read_text() if output.is_file() else None
         if current != rendered:
             state = "is missing" if current is None else "is out of date"
             print(
-                f"{_display(output)} {state} with {_display(args.cases)}: "
+                f"{_display(output)} {state} with {_display(cases_file)}: "
                 f"run `{COMMAND}` and commit the result",
                 file=sys.stderr,
             )

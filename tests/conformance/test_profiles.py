@@ -20,7 +20,7 @@ from conformance.report import (
     profiles_of_test,
 )
 from impl.api import KNOWN_CAPABILITIES
-from suites.cases import load_profiles, parse_profiles
+from suites.cases import IMPLEMENTATION, SUBJECT_PROPERTY, load_profiles, parse_profiles
 from tests.conformance.test_report_units import report
 from tests.suites.test_cases import collect
 
@@ -37,7 +37,7 @@ UNSUPPORTED_HSDP = ("x.py", 3, "Skipped: UNSUPPORTED: needs capability hsdp")
 
 
 def test_the_table_defines_the_required_core_and_one_extension_per_other_capability():
-    profiles = load_profiles()
+    profiles = [p for p in load_profiles() if p.subject == IMPLEMENTATION]
     core = profiles[0]
     assert (core.name, core.required, set(core.capabilities)) == (
         "fsdp2-core",
@@ -47,6 +47,17 @@ def test_the_table_defines_the_required_core_and_one_extension_per_other_capabil
     extensions = profiles[1:]
     assert [p.name for p in extensions] == sorted(KNOWN_CAPABILITIES - CORE_CAPABILITIES)
     assert all(not p.required and p.capabilities == (p.name,) for p in extensions)
+
+
+def test_the_backend_table_has_its_own_core_and_extensions():
+    from suites.backend.declaration import KNOWN_BACKEND_CAPABILITIES
+    from suites.cases import BACKEND
+
+    profiles = [p for p in load_profiles() if p.subject == BACKEND]
+    assert (profiles[0].name, profiles[0].required) == ("c10d-core", True)
+    listed = {cap for p in profiles for cap in p.capabilities}
+    assert listed == KNOWN_BACKEND_CAPABILITIES
+    assert not any(p.required for p in profiles[1:])
 
 
 PROFILE_ROW = """
@@ -112,7 +123,11 @@ def test_every_case_item_records_its_case_and_needs(
     case_id, world_size, param_id, capabilities, needs
 ):
     item = collect(case_id, world_size, param_id, capabilities=capabilities)
-    assert item.user_properties == [(CASE_PROPERTY, case_id), (CAPABILITIES_PROPERTY, needs)]
+    assert item.user_properties == [
+        (CASE_PROPERTY, case_id),
+        (CAPABILITIES_PROPERTY, needs),
+        (SUBJECT_PROPERTY, IMPLEMENTATION),
+    ]
 
 
 def test_recording_twice_keeps_one_entry_each():
@@ -124,10 +139,10 @@ def test_recording_twice_keeps_one_entry_each():
         [item],
         device_type="cpu",
         launcher="process",
-        capabilities=frozenset(),
+        capabilities_of=lambda subject: frozenset(),
         world_size_of=world_size_of,
     )
-    assert len(item.user_properties) == 2
+    assert len(item.user_properties) == 3
 
 
 # --- the report ------------------------------------------------------------------------------

@@ -80,7 +80,7 @@ def collect(
         [item],
         device_type=device_type,
         launcher="process",
-        capabilities=frozenset(capabilities),
+        capabilities_of=lambda subject: frozenset(capabilities),
         world_size_of=world_size_of,
     )
     return item

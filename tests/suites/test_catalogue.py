@@ -11,8 +11,15 @@ import re
 
 import pytest
 
-from suites.cases import CASES_FILE, load_cases, parse_cases
-from suites.catalogue import CATALOGUE_FILE, COMMAND, case_areas, main, render_file
+from suites.cases import BACKEND, BACKEND_CASES_FILE, CASES_FILE, load_cases, parse_cases
+from suites.catalogue import (
+    BACKEND_CATALOGUE_FILE,
+    CATALOGUE_FILE,
+    COMMAND,
+    case_areas,
+    main,
+    render_file,
+)
 
 DESCRIPTION = re.compile(r'^description = """.*?"""\n', re.MULTILINE | re.DOTALL)
 FIRST_CASE = "fsdp.forward_inputs.move_to_device"
@@ -27,17 +34,24 @@ def replace_description(text: str, case_id: str, replacement: str) -> str:
     return text[:start] + changed
 
 
-def test_committed_catalogue_is_current():
-    rendered, _ = render_file(CASES_FILE)
-    assert CATALOGUE_FILE.is_file(), f"{CATALOGUE_FILE} is missing: run `{COMMAND}`"
-    assert CATALOGUE_FILE.read_text() == rendered, (
-        f"docs/cases.md is out of date with suites/cases.toml: run `{COMMAND}` and commit it"
+@pytest.mark.parametrize(
+    ("cases_file", "subject", "catalogue"),
+    [
+        (CASES_FILE, "implementation", CATALOGUE_FILE),
+        (BACKEND_CASES_FILE, BACKEND, BACKEND_CATALOGUE_FILE),
+    ],
+)
+def test_committed_catalogue_is_current(cases_file, subject, catalogue):
+    rendered, _ = render_file(cases_file, subject)
+    assert catalogue.is_file(), f"{catalogue} is missing: run `{COMMAND}`"
+    assert catalogue.read_text() == rendered, (
+        f"{catalogue.name} is out of date with {cases_file.name}: run `{COMMAND}` and commit it"
     )
 
 
 def test_every_case_has_a_description_and_a_row_in_the_catalogue():
     cases = load_cases()
-    text = CATALOGUE_FILE.read_text()
+    text = CATALOGUE_FILE.read_text() + BACKEND_CATALOGUE_FILE.read_text()
     for case_id, row in cases.items():
         assert row.description, case_id
         assert "cases.md" not in row.upstream and "§" not in row.upstream, case_id
@@ -47,6 +61,7 @@ def test_every_case_has_a_description_and_a_row_in_the_catalogue():
 
 def test_every_case_belongs_to_an_area():
     areas = case_areas(CASES_FILE.read_text())
+    areas.update(case_areas(BACKEND_CASES_FILE.read_text()))
     assert set(areas) == set(load_cases())
     assert "other cases" not in areas.values()
 

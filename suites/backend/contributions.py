@@ -1,0 +1,117 @@
+"""What each rank puts into a collective: deterministic, so every rank can compute every other
+rank's input and with it the ground truth, without trusting the backend under test.
+
+Values are small integers (or integers plus an imaginary part), exact in every dtype the
+suite covers, chosen per reduce op so that the exact result also fits: sums of at most 8
+values in [-4, 4], products of +-1 with a single factor 2 per element, bitwise ops on
+[0, 100]. Data-movement ops use values that differ between ranks and positions, so that an
+element delivered from the wrong rank or offset is seen.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+
+from suites.backend.declaration import DTYPES, REDUCE_OPS
+
+#: Element counts every item checks: empty, a single element, an odd count.
+SIZES = (0, 1, 37)
+#: Layouts the main cases use. Strided inputs have a case of their own
+#: (``test_non_contiguous``): a backend that ignores strides gets every op wrong at once,
+#: which would otherwise turn every case red and hide what else it gets wrong.
+LAYOUTS = ("contiguous",)
+
+_FLOATING = {"float32", "float64", "float16", "bfloat16"}
+_INTEGRAL = {"int8", "int32", "int64"}
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    return getattr(torch, name)
+
+
+def valid_reduction(op: str, dtype: str) -> bool:
+    """Whether c10d defines ``op`` on ``dtype`` (what NCCL and gloo document; no backend's
+    refusal can make a combination valid or invalid)."""
+    if op in ("avg", "premul_sum"):
+        return dtype in _FLOATING or dtype == "complex64"
+    if op in ("band", "bor", "bxor"):
+        return dtype in _INTEGRAL or dtype == "bool"
+    if op in ("min", "max"):
+        return dtype != "complex64"
+    if op == "product":
+        return dtype not in ("bool", "complex64")
+    return dtype != "bool"  # sum: bool has no agreed meaning (OR in gloo, error elsewhere)
+
+
+def reduction_points(ops: tuple[str, ...] = REDUCE_OPS) -> Iterator[tuple[str, str]]:
+    for op in ops:
+        for dtype in DTYPES:
+            if valid_reduction(op, dtype):
+                yield op, dtype
+
+
+def _integers(rank: int, numel: int, salt: int, recipe: str, world_size: int) -> torch.Tensor:
+    # Built on the CPU on purpose: the ground truth never touches the device under test.
+    i = torch.arange(numel, dtype=torch.int64, device="cpu")
+    if recipe == "product":
+        sign = torch.where((i + rank) % 3 == 0, -1, 1)
+        return torch.where(i % world_size == rank, 2 * sign, sign)
+    if recipe == "bitwise":
+        return (rank * 29 + i * 13 + salt) % 101
+    if recipe == "sum":
+        return (rank * 5 + i * 3 + salt) % 9 - 4
+    return (rank * 37 + i * 11 + salt) % 101 - 50  # "move": distinct per rank and offset
+
+
+def recipe_for(op: str | None) -> str:
+    if op == "product":
+        return "product"
+    if op in ("band", "bor", "bxor"):
+        return "bitwise"
+    if op in ("sum", "avg", "premul_sum"):
+        return "sum"
+    return "move"
+
+
+def contribution(
+    rank: int,
+    numel: int,
+    dtype: str,
+    *,
+    op: str | None = None,
+    salt: int = 0,
+    world_size: int = 1,
+    device: torch.device | str = "cpu",
+) -> torch.Tensor:
+    """Rank ``rank``'s input of ``numel`` elements for reduce op ``op`` (None: data movement)."""
+    values = _integers(rank, numel, salt, recipe_for(op), world_size)
+    if dtype == "bool":
+        tensor = values % 2 == 1
+    elif dtype == "complex64":
+        imaginary = _integers(rank + 1, numel, salt + 7, recipe_for(op), world_size)
+        tensor = torch.complex(values.float(), imaginary.float())
+    else:
+        tensor = values.to(torch_dtype(dtype))
+    return tensor.to(device)
+
+
+def laid_out(tensor: torch.Tensor, layout: str) -> torch.Tensor:
+    """``tensor``'s values in the given memory layout (a fresh tensor either way);
+    ``strided``: every other element of a buffer twice as long."""
+    if layout == "contiguous":
+        return tensor.clone()
+    if layout != "strided":
+        raise ValueError(f"unknown layout {layout!r}")
+    buffer = torch.zeros(2 * tensor.numel(), dtype=tensor.dtype, device=tensor.device)
+    view = buffer[::2]
+    view.copy_(tensor.reshape(-1))
+    return view.view(tensor.shape) if tensor.dim() == 1 else view.reshape(tensor.shape)
+
+
+def shapes() -> Iterator[tuple[int, str]]:
+    """Every (element count, layout) an item checks."""
+    for numel in SIZES:
+        for layout in LAYOUTS:
+            yield numel, layout

@@ -1,0 +1,208 @@
+"""Data movement: all_gather, broadcast, gather, scatter and all_to_all, in list and
+single-tensor forms, with uneven sizes where c10d allows them, from every source rank.
+
+Contributions differ per rank and offset, so an element taken from the wrong rank or the
+wrong place is seen; each item checks sizes 0, 1 and 37 (strided tensors: ``test_non_contiguous``).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from suites.backend.collectives import dtype_grid, everyones
+from suites.backend.contributions import contribution, laid_out, shapes, torch_dtype
+from suites.backend.oracle import Findings
+from suites.cases import conformance, grid_id
+
+
+@conformance("backend.all_gather")
+@pytest.mark.parametrize("dtype", dtype_grid())
+def test_all_gather(dtype: str, rank_ctx) -> None:
+    findings = Findings(f"all_gather {dtype}")
+    rank, device = rank_ctx.rank, rank_ctx.device
+    for salt, (numel, layout) in enumerate(shapes()):
+        inputs = everyones(numel, dtype, salt=salt, device=device)
+        where = f"{numel} elements, {layout}"
+        outputs = [torch.zeros_like(t) for t in inputs]
+        dist.all_gather(outputs, laid_out(inputs[rank], layout))
+        for src, (got, want) in enumerate(zip(outputs, inputs, strict=True)):
+            findings.expect_equal(got, want, f"list form, from rank {src}, {where}")
+        output = torch.zeros(numel * len(inputs), dtype=torch_dtype(dtype), device=device)
+        dist.all_gather_single(output, laid_out(inputs[rank], layout))
+        findings.expect_equal(output, torch.cat(inputs), f"single form, {where}")
+    findings.raise_if_any()
+
+
+@conformance("backend.all_gather_uneven")
+@pytest.mark.parametrize("dtype", dtype_grid())
+def test_all_gather_uneven_list(dtype: str, rank_ctx) -> None:
+    """Rank r contributes ``base + r`` elements; every output list entry has its source's size."""
+    findings = Findings(f"all_gather (uneven) {dtype}")
+    world, rank, device = rank_ctx.world_size, rank_ctx.rank, rank_ctx.device
+    for base in (0, 5):
+        inputs = [
+            contribution(r, base + r, dtype, salt=base, world_size=world, device=device)
+            for r in range(world)
+        ]
+        outputs = [torch.zeros_like(t) for t in inputs]
+        dist.all_gather(outputs, inputs[rank].clone())
+        for src, (got, want) in enumerate(zip(outputs, inputs, strict=True)):
+            findings.expect_equal(got, want, f"rank {src}'s {base + src} elements")
+    findings.raise_if_any()
+
+
+@conformance("backend.broadcast")
+@pytest.mark.parametrize("dtype", dtype_grid())
+def test_broadcast_from_every_rank(dtype: str, rank_ctx) -> None:
+    findings = Findings(f"broadcast {dtype}")
+    for src in range(rank_ctx.world_size):
+        for salt, (numel, layout) in enumerate(shapes()):
+            inputs = everyones(numel, dtype, salt=salt + src, device=rank_ctx.device)
+            tensor = laid_out(inputs[rank_ctx.rank], layout)
+            dist.broadcast(tensor, src=src)
+            findings.expect_equal(tensor, inputs[src], f"src {src}, {numel} elements, {layout}")
+    findings.raise_if_any()
+
+
+@conformance("backend.gather")
+@pytest.mark.parametrize("dtype", dtype_grid())
+def test_gather_to_every_rank(dtype: str, rank_ctx) -> None:
+    findings = Findings(f"gather {dtype}")
+    rank = rank_ctx.rank
+    for dst in range(rank_ctx.world_size):
+        for salt, (numel, layout) in enumerate(shapes()):
+            inputs = everyones(numel, dtype, salt=salt + dst, device=rank_ctx.device)
+            outputs = [torch.zeros_like(t) for t in inputs] if rank == dst else None
+            dist.gather(laid_out(inputs[rank], layout), outputs, dst=dst)
+            if outputs is not None:
+                for src, (got, want) in enumerate(zip(outputs, inputs, strict=True)):
+                    findings.expect_equal(
+                        got, want, f"dst {dst}, from rank {src}, {numel} elements, {layout}"
+                    )
+    findings.raise_if_any()
+
+
+@conformance("backend.scatter")
+@pytest.mark.parametrize("dtype", dtype_grid())
+def test_scatter_from_every_rank(dtype: str, rank_ctx) -> None:
+    findings = Findings(f"scatter {dtype}")
+    world, rank = rank_ctx.world_size, rank_ctx.rank
+    for src in range(world):
+        for salt, (numel, layout) in enumerate(shapes()):
+            # Piece i of the source's list goes to rank i: contribution(i) salted by src.
+            pieces = everyones(numel, dtype, salt=salt + 3 * src, device=rank_ctx.device)
+            output = torch.zeros_like(pieces[rank])
+            sent = [laid_out(p, layout) for p in pieces] if rank == src else None
+            dist.scatter(output, sent, src=src)
+            findings.expect_equal(output, pieces[rank], f"src {src}, {numel} elements, {layout}")
+    findings.raise_if_any()
+
+
+def _piece(src: int, dst: int, numel: int, dtype: str, device: torch.device) -> torch.Tensor:
+    """What rank ``src`` sends rank ``dst`` in an all-to-all: distinct for every pair."""
+    return contribution(src, numel, dtype, salt=17 * dst, world_size=1, device=device)
+
+
+@conformance("backend.all_to_all")
+@pytest.mark.parametrize("dtype", dtype_grid())
+def test_all_to_all(dtype: str, rank_ctx) -> None:
+    """The list form with equal sizes, ``all_to_all_single`` with even splits, and with uneven
+    splits (rank src sends ``src + dst + 1`` rows to dst, as a mixture-of-experts dispatch)."""
+    findings = Findings(f"all_to_all {dtype}")
+    world, rank, device = rank_ctx.world_size, rank_ctx.rank, rank_ctx.device
+    for numel, layout in shapes():
+        where = f"{numel} elements per peer, {layout}"
+        sent = [laid_out(_piece(rank, dst, numel, dtype, device), layout) for dst in range(world)]
+        received = [
+            torch.zeros_like(_piece(src, rank, numel, dtype, device)) for src in range(world)
+        ]
+        dist.all_to_all(received, sent)
+        for src in range(world):
+            findings.expect_equal(
+                received[src], _piece(src, rank, numel, dtype, device), f"list, from {src}, {where}"
+            )
+        output = torch.zeros(numel * world, dtype=torch_dtype(dtype), device=device)
+        flat = torch.cat([_piece(rank, dst, numel, dtype, device) for dst in range(world)])
+        dist.all_to_all_single(output, laid_out(flat, layout))
+        expected = torch.cat([_piece(src, rank, numel, dtype, device) for src in range(world)])
+        findings.expect_equal(output, expected, f"single, even splits, {where}")
+
+    in_splits = [rank + dst + 1 for dst in range(world)]
+    out_splits = [src + rank + 1 for src in range(world)]
+    flat = torch.cat([_piece(rank, dst, n, dtype, device) for dst, n in enumerate(in_splits)])
+    output = torch.zeros(sum(out_splits), dtype=torch_dtype(dtype), device=device)
+    dist.all_to_all_single(output, flat, out_splits, in_splits)
+    expected = torch.cat([_piece(src, rank, n, dtype, device) for src, n in enumerate(out_splits)])
+    findings.expect_equal(output, expected, f"single, uneven splits {in_splits}")
+    findings.raise_if_any()
+
+
+@conformance("backend.all_to_all_uneven")
+@pytest.mark.parametrize("dtype", dtype_grid())
+def test_all_to_all_uneven_list(dtype: str, rank_ctx) -> None:
+    """The list form where rank src sends ``src + dst + 1`` elements to dst."""
+    findings = Findings(f"all_to_all (uneven list) {dtype}")
+    world, rank, device = rank_ctx.world_size, rank_ctx.rank, rank_ctx.device
+    sent = [_piece(rank, dst, rank + dst + 1, dtype, device) for dst in range(world)]
+    received = [
+        torch.zeros(src + rank + 1, dtype=torch_dtype(dtype), device=device) for src in range(world)
+    ]
+    dist.all_to_all(received, sent)
+    for src in range(world):
+        findings.expect_equal(
+            received[src], _piece(src, rank, src + rank + 1, dtype, device), f"from rank {src}"
+        )
+    findings.raise_if_any()
+
+
+#: The large size: a 64 MiB float32 buffer (the full buffer, as nccl-tests counts it).
+LARGE_NUMEL = 64 * 2**20 // 4
+
+
+@conformance("backend.large")
+@pytest.mark.parametrize(
+    "collective",
+    [
+        pytest.param(c, id=grid_id(collective=c))
+        for c in ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all")
+    ],
+)
+def test_64_mib(collective: str, rank_ctx) -> None:
+    """One 64 MiB float32 buffer per collective: chunking and pipelining paths of a backend
+    only start past a few MiB. Values encode (rank, index) exactly in float32."""
+    world, rank, device = rank_ctx.world_size, rank_ctx.rank, rank_ctx.device
+    numel = LARGE_NUMEL - LARGE_NUMEL % world
+    index = torch.arange(numel, device=device, dtype=torch.float32)
+
+    def mine(r: int) -> torch.Tensor:
+        return (index % 4093) + 8192 * r
+
+    if collective == "all_reduce":
+        tensor = mine(rank)
+        dist.all_reduce(tensor)
+        expected = (index % 4093) * world + 8192 * sum(range(world))
+    elif collective == "broadcast":
+        tensor = mine(rank)
+        dist.broadcast(tensor, src=world - 1)
+        expected = mine(world - 1)
+    elif collective == "all_gather":
+        block = numel // world
+        tensor = torch.zeros(numel, device=device)
+        dist.all_gather_single(tensor, mine(rank)[rank * block : (rank + 1) * block])
+        expected = torch.cat([mine(r)[r * block : (r + 1) * block] for r in range(world)])
+    elif collective == "reduce_scatter":
+        block = numel // world
+        tensor = torch.zeros(block, device=device)
+        dist.reduce_scatter_single(tensor, mine(rank))
+        expected = ((index % 4093) * world + 8192 * sum(range(world)))[
+            rank * block : (rank + 1) * block
+        ]
+    else:
+        block = numel // world
+        tensor = torch.zeros(numel, device=device)
+        dist.all_to_all_single(tensor, mine(rank))
+        expected = torch.cat([mine(src)[rank * block : (rank + 1) * block] for src in range(world)])
+    wrong = int((tensor != expected).sum())
+    assert wrong == 0, f"{collective} of 64 MiB over {world} ranks: {wrong} elements wrong"

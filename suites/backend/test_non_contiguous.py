@@ -1,0 +1,105 @@
+"""Strided (non-contiguous) tensors: every operation once, with inputs, and for in-place ops
+the tensor written, that are every other element of a larger buffer.
+
+c10d leaves two behaviours open: the right result, or an error saying the tensor must be
+contiguous (NCCL's). A backend that reads or writes ``numel`` elements from the data pointer
+as if the tensor were dense returns a silently wrong result, and fails.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from suites.backend.collectives import everyones
+from suites.backend.contributions import laid_out
+from suites.backend.oracle import Findings, reduce
+from suites.cases import conformance, grid_id
+
+NUMEL = 37
+DTYPE = "float32"
+
+
+def _all_reduce(rank: int, device: torch.device, findings: Findings) -> None:
+    inputs = everyones(NUMEL, DTYPE, op="sum", device=device)
+    tensor = laid_out(inputs[rank], "strided")
+    dist.all_reduce(tensor)
+    findings.expect_equal(tensor, reduce(inputs, "sum"), "all_reduce in place")
+
+
+def _broadcast(rank: int, device: torch.device, findings: Findings) -> None:
+    inputs = everyones(NUMEL, DTYPE, device=device)
+    tensor = laid_out(inputs[rank], "strided")
+    dist.broadcast(tensor, src=0)
+    findings.expect_equal(tensor, inputs[0], "broadcast in place")
+
+
+def _all_gather(rank: int, device: torch.device, findings: Findings) -> None:
+    inputs = everyones(NUMEL, DTYPE, device=device)
+    outputs = [torch.zeros_like(t) for t in inputs]
+    dist.all_gather(outputs, laid_out(inputs[rank], "strided"))
+    for src, (got, want) in enumerate(zip(outputs, inputs, strict=True)):
+        findings.expect_equal(got, want, f"all_gather input, from rank {src}")
+
+
+def _reduce_scatter(rank: int, device: torch.device, findings: Findings) -> None:
+    world = dist.get_world_size()
+    inputs = everyones(NUMEL * world, DTYPE, op="sum", device=device)
+    output = torch.zeros(NUMEL, device=device)
+    dist.reduce_scatter_single(output, laid_out(inputs[rank], "strided"))
+    expected = reduce([t[rank * NUMEL : (rank + 1) * NUMEL] for t in inputs], "sum")
+    findings.expect_equal(output, expected, "reduce_scatter_single input")
+
+
+def _all_to_all(rank: int, device: torch.device, findings: Findings) -> None:
+    world = dist.get_world_size()
+    inputs = everyones(NUMEL * world, DTYPE, device=device)
+    output = torch.zeros(NUMEL * world, device=device)
+    dist.all_to_all_single(output, laid_out(inputs[rank], "strided"))
+    expected = torch.cat([t[rank * NUMEL : (rank + 1) * NUMEL] for t in inputs])
+    findings.expect_equal(output, expected, "all_to_all_single input")
+
+
+def _send_recv(rank: int, device: torch.device, findings: Findings) -> None:
+    world = dist.get_world_size()
+    inputs = everyones(NUMEL, DTYPE, device=device)
+    right, left = (rank + 1) % world, (rank - 1) % world
+    received = laid_out(torch.zeros_like(inputs[left]), "strided")
+    works = [
+        dist.isend(laid_out(inputs[rank], "strided"), dst=right),
+        dist.irecv(received, src=left),
+    ]
+    for work in works:
+        work.wait()
+    findings.expect_equal(received, inputs[left], "isend/irecv, both strided")
+
+
+OPERATIONS: dict[str, tuple[str, Callable[[int, torch.device, Findings], None]]] = {
+    "all_reduce": ("all_reduce", _all_reduce),
+    "broadcast": ("broadcast", _broadcast),
+    "all_gather": ("all_gather", _all_gather),
+    "reduce_scatter": ("reduce_scatter", _reduce_scatter),
+    "all_to_all": ("all_to_all", _all_to_all),
+    "send_recv": ("send_recv", _send_recv),
+}
+
+
+@conformance("backend.non_contiguous")
+@pytest.mark.parametrize(
+    "operation", [pytest.param(name, id=grid_id(operation=name)) for name in OPERATIONS]
+)
+def test_strided_tensors_give_the_right_result_or_a_contiguity_error(
+    operation: str, rank_ctx
+) -> None:
+    findings = Findings(f"{operation} on strided tensors")
+    _, check = OPERATIONS[operation]
+    try:
+        check(rank_ctx.rank, rank_ctx.device, findings)
+    except (RuntimeError, ValueError) as exc:
+        if "contiguous" not in str(exc).lower():
+            raise  # an error that does not say why is no documented refusal
+        return  # the documented refusal
+    findings.raise_if_any()

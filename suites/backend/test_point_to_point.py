@@ -1,0 +1,88 @@
+"""Point to point: send / recv, isend / irecv and batch_isend_irecv around a ring and back,
+with tags keeping two messages between the same pair apart."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from suites.backend.collectives import dtype_grid
+from suites.backend.contributions import contribution, laid_out, shapes
+from suites.backend.oracle import Findings
+from suites.cases import conformance
+
+
+def _message(src: int, dst: int, numel: int, dtype: str, salt: int, device) -> torch.Tensor:
+    return contribution(src, numel, dtype, salt=salt + 31 * dst, device=device)
+
+
+@conformance("backend.send_recv")
+@pytest.mark.parametrize("dtype", dtype_grid())
+def test_send_recv_ring(dtype: str, rank_ctx) -> None:
+    """Blocking send/recv to the next rank (even ranks send first, so no two block on each
+    other), then isend/irecv in both directions at once with two tags."""
+    findings = Findings(f"send/recv {dtype}")
+    world, rank, device = rank_ctx.world_size, rank_ctx.rank, rank_ctx.device
+    right, left = (rank + 1) % world, (rank - 1) % world
+    for salt, (numel, layout) in enumerate(shapes()):
+        where = f"{numel} elements, {layout}"
+        outgoing = laid_out(_message(rank, right, numel, dtype, salt, device), layout)
+        incoming = torch.zeros_like(_message(left, rank, numel, dtype, salt, device))
+        if rank % 2 == 0:
+            dist.send(outgoing, dst=right)
+            dist.recv(incoming, src=left)
+        else:
+            dist.recv(incoming, src=left)
+            dist.send(outgoing, dst=right)
+        findings.expect_equal(incoming, _message(left, rank, numel, dtype, salt, device), where)
+
+        works, received = [], {}
+        for tag, peer in ((1, right), (2, left)):
+            message = _message(rank, peer, numel, dtype, salt + tag, device)
+            works.append(dist.isend(laid_out(message, layout), dst=peer, tag=tag))
+        for tag, peer in ((1, left), (2, right)):
+            received[tag, peer] = torch.zeros_like(incoming)
+            works.append(dist.irecv(received[tag, peer], src=peer, tag=tag))
+        for work in works:
+            work.wait()
+        for (tag, peer), tensor in received.items():
+            findings.expect_equal(
+                tensor,
+                _message(peer, rank, numel, dtype, salt + tag, device),
+                f"isend/irecv tag {tag} from {peer}, {where}",
+            )
+    findings.raise_if_any()
+
+
+@conformance("backend.batch_isend_irecv")
+@pytest.mark.parametrize("dtype", dtype_grid())
+def test_batch_isend_irecv_ring(dtype: str, rank_ctx) -> None:
+    findings = Findings(f"batch_isend_irecv {dtype}")
+    world, rank, device = rank_ctx.world_size, rank_ctx.rank, rank_ctx.device
+    right, left = (rank + 1) % world, (rank - 1) % world
+    for salt, (numel, layout) in enumerate(shapes()):
+        from_left = torch.zeros_like(_message(left, rank, numel, dtype, salt, device))
+        from_right = torch.zeros_like(_message(right, rank, numel, dtype, salt, device))
+        operations = [
+            dist.P2POp(
+                dist.isend,
+                laid_out(_message(rank, right, numel, dtype, salt, device), layout),
+                right,
+            ),
+            dist.P2POp(
+                dist.isend, laid_out(_message(rank, left, numel, dtype, salt, device), layout), left
+            ),
+            dist.P2POp(dist.irecv, from_left, left),
+            dist.P2POp(dist.irecv, from_right, right),
+        ]
+        for work in dist.batch_isend_irecv(operations):
+            work.wait()
+        where = f"{numel} elements, {layout}"
+        findings.expect_equal(
+            from_left, _message(left, rank, numel, dtype, salt, device), f"from left, {where}"
+        )
+        findings.expect_equal(
+            from_right, _message(right, rank, numel, dtype, salt, device), f"from right, {where}"
+        )
+    findings.raise_if_any()
