@@ -3,7 +3,7 @@ rank's input and with it the ground truth, without trusting the backend under te
 
 Values are small integers (or integers plus an imaginary part), exact in every dtype the
 suite covers, chosen per reduce op so that the exact result also fits: sums of at most 8
-values in [-4, 4], products of +-1 with a single factor 2 per element, bitwise ops on
+values in [-8, 8], products of +-1 with a single factor 2 per element, bitwise ops on
 [0, 100]. Data-movement ops use values that differ between ranks and positions, so that an
 element delivered from the wrong rank or offset is seen.
 """
@@ -61,7 +61,9 @@ def _integers(rank: int, numel: int, salt: int, recipe: str, world_size: int) ->
     if recipe == "bitwise":
         return (rank * 29 + i * 13 + salt) % 101
     if recipe == "sum":
-        return (rank * 5 + i * 3 + salt) % 9 - 4
+        # Period 17 * 17, so that equal-sized blocks of one rank's input differ (a period
+        # dividing the block size would hide a block delivered to the wrong rank).
+        return (rank * 5 + i * 7 + (i // 17) * 3 + salt) % 17 - 8
     return (rank * 37 + i * 11 + salt) % 101 - 50  # "move": distinct per rank and offset
 
 

@@ -31,12 +31,19 @@ def test_absent_rank_times_the_others_out(rank_ctx) -> None:
     group = _timed_group()
     last = rank_ctx.world_size - 1
     if rank_ctx.rank == last:
+        # Stay (on the default group) until the others have their errors: leaving the test
+        # would close this rank's connections, and a peer would then fail for that reason
+        # instead of the timeout.
+        dist.barrier()
         return
     tensor = torch.ones(4, device=rank_ctx.device)
     start = time.monotonic()
-    with pytest.raises(Exception) as raised:  # backends raise RuntimeError or DistBackendError
-        dist.all_reduce(tensor, group=group)
-    waited = time.monotonic() - start
+    try:
+        with pytest.raises(Exception) as raised:  # RuntimeError, DistBackendError, ...
+            dist.all_reduce(tensor, group=group)
+    finally:
+        waited = time.monotonic() - start
+        dist.barrier()
     limit = TIMEOUT.total_seconds() + SLACK_S
     assert waited <= limit, (
         f"the error came after {waited:.1f} s, the group's timeout is "

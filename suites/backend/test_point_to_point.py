@@ -21,7 +21,7 @@ def _message(src: int, dst: int, numel: int, dtype: str, salt: int, device) -> t
 @pytest.mark.parametrize("dtype", dtype_grid())
 def test_send_recv_ring(dtype: str, rank_ctx) -> None:
     """Blocking send/recv to the next rank (even ranks send first, so no two block on each
-    other), then isend/irecv in both directions at once with two tags."""
+    other), then two tagged isends to the next rank, received in the reverse tag order."""
     findings = Findings(f"send/recv {dtype}")
     world, rank, device = rank_ctx.world_size, rank_ctx.rank, rank_ctx.device
     right, left = (rank + 1) % world, (rank - 1) % world
@@ -37,20 +37,25 @@ def test_send_recv_ring(dtype: str, rank_ctx) -> None:
             dist.send(outgoing, dst=right)
         findings.expect_equal(incoming, _message(left, rank, numel, dtype, salt, device), where)
 
-        works, received = [], {}
-        for tag, peer in ((1, right), (2, left)):
-            message = _message(rank, peer, numel, dtype, salt + tag, device)
-            works.append(dist.isend(laid_out(message, layout), dst=peer, tag=tag))
-        for tag, peer in ((1, left), (2, right)):
-            received[tag, peer] = torch.zeros_like(incoming)
-            works.append(dist.irecv(received[tag, peer], src=peer, tag=tag))
+        # Two messages to the same peer, received in the opposite order of their tags: only
+        # a backend that matches by tag, not by arrival, delivers each to its own buffer.
+        works = [
+            dist.isend(
+                laid_out(_message(rank, right, numel, dtype, salt + tag, device), layout),
+                dst=right,
+                tag=tag,
+            )
+            for tag in (1, 2)
+        ]
+        received = {tag: torch.zeros_like(incoming) for tag in (2, 1)}
+        works += [dist.irecv(buffer, src=left, tag=tag) for tag, buffer in received.items()]
         for work in works:
             work.wait()
-        for (tag, peer), tensor in received.items():
+        for tag, tensor in received.items():
             findings.expect_equal(
                 tensor,
-                _message(peer, rank, numel, dtype, salt + tag, device),
-                f"isend/irecv tag {tag} from {peer}, {where}",
+                _message(left, rank, numel, dtype, salt + tag, device),
+                f"isend/irecv tag {tag} from {left}, {where}",
             )
     findings.raise_if_any()
 

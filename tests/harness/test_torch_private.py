@@ -61,6 +61,24 @@ def test_forget_dtensor_caches_refuses_an_unaudited_torch(monkeypatch):
         _torch_private.forget_dtensor_caches()
 
 
+@pytest.mark.world_size(2)
+def test_registered_group_name_is_the_name_c10d_gave_the_group(rank_ctx):
+    subgroup = dist.new_group([0, 1])
+    dist.barrier(group=subgroup)
+    assert _torch_private.registered_group_name(subgroup) == subgroup.group_name
+    assert _torch_private.registered_group_name(dist.group.WORLD) == dist.group.WORLD.group_name
+
+
+def test_a_group_without_its_own_name_is_named_from_the_registry(monkeypatch):
+    from harness.comm import records
+
+    nameless = dist.ProcessGroup(0, 1)  # what a vendor's Python backend hands c10d
+    with pytest.raises(RuntimeError, match="name not set"):
+        _ = nameless.group_name
+    monkeypatch.setattr(_torch_private, "registered_group_name", lambda group: "pg-7")
+    assert records.group_name_of(nameless) == "pg-7"
+
+
 def test_registered_group_name_refuses_an_unaudited_torch(monkeypatch):
     monkeypatch.setattr(_torch_private, "installed_torch_version", lambda: (9, 99))
     with pytest.raises(_torch_private.PrivateTorchAccessError, match="registered_group_name"):
