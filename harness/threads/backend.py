@@ -101,17 +101,36 @@ def _check_same_numel(payloads: dict[int, Any], get: Callable[[Any], torch.Tenso
 class ThreadedWork(dist.Work):
     """Handle of one rank's part in a meeting; ``wait`` gives the baton up until it completes."""
 
-    def __init__(self, world: ThreadWorld, rank: int, meeting: Meeting, result: list) -> None:
+    def __init__(
+        self,
+        world: ThreadWorld,
+        rank: int,
+        meeting: Meeting,
+        result: list,
+        group_timeout: timedelta | None = None,
+    ) -> None:
         super().__init__()
         self._world = world
         self._rank = rank
         self._meeting = meeting
         self._result = result
+        self._group_timeout = group_timeout
 
     def wait(self, timeout: timedelta = timedelta(0)) -> bool:
+        # No timeout given (c10d passes 0): the group's, as every c10d backend does.
+        if not timeout and self._group_timeout is not None:
+            timeout = self._group_timeout
         seconds = timeout.total_seconds() if timeout is not None else 0.0
         meeting = self._meeting
-        self._world.wait_until(self._rank, meeting.settled, meeting.what, seconds or None)
+        try:
+            self._world.wait_until(self._rank, meeting.settled, meeting.what, seconds or None)
+        except TimeoutError as error:
+            # The collective is abandoned, as a real backend's communicator is after a
+            # timeout: a rank joining it later gets this error instead of a result.
+            with self._world.lock:
+                if not meeting.settled():
+                    meeting.error = error
+            raise
         if meeting.error is not None:
             if isinstance(meeting.error, CollectiveMismatchError):
                 # Already names both sides: every rank reports the same words.
@@ -160,8 +179,10 @@ class ThreadedProcessGroup(dist.ProcessGroup):
         group_size: int,
         group_name: str,
         global_ranks: tuple[int, ...],
+        timeout: timedelta | None = None,
     ) -> None:
         super().__init__(group_rank, group_size)
+        self._timeout = timeout
         self._world = world
         self._global_rank = global_rank
         self._group_rank = group_rank
@@ -222,7 +243,7 @@ class ThreadedProcessGroup(dist.ProcessGroup):
             execute,
             what,
         )
-        return ThreadedWork(self._world, self._global_rank, meeting, result)
+        return ThreadedWork(self._world, self._global_rank, meeting, result, self._timeout)
 
     @staticmethod
     def _single(what: str, tensors: Sequence[Any]) -> Any:
@@ -482,7 +503,7 @@ class ThreadedProcessGroup(dist.ProcessGroup):
             execute,
             what,
         )
-        return ThreadedWork(self._world, self._global_rank, meeting, tensors)
+        return ThreadedWork(self._world, self._global_rank, meeting, tensors, self._timeout)
 
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> ThreadedWork:
         return self._p2p(tensors, self._group_rank, dst, tag, sending=True)
@@ -514,6 +535,7 @@ def _create(backend_opts: Any, backend_options: Any) -> ThreadedProcessGroup:
         backend_opts.group_size,
         str(backend_opts.group_id),
         ranks,
+        backend_opts.timeout,
     )
 
 

@@ -269,7 +269,9 @@ class ThreadRunner:
                 store=store,
                 rank=rank,
                 world_size=world.world_size,
-                timeout=timedelta(seconds=limit),
+                # Longer than any deadline: the backend honours group timeouts, and a wait on
+                # the default group must end in the hang report, not in a TimeoutError.
+                timeout=dist.default_pg_timeout,
             )
             initialized = True
             if not isinstance(dist.group.WORLD, ThreadedProcessGroup):

@@ -210,6 +210,31 @@ def test_deadlock_is_detected_without_waiting_for_the_deadline():
     assert "_rank_one_skips_the_collective" in stuck.traceback  # where it waited
 
 
+def _rank_one_waits_on_the_default_group_while_rank_zero_times_out() -> float:
+    import time
+    from datetime import timedelta
+
+    short = dist.new_group(timeout=timedelta(seconds=1))
+    if dist.get_rank() == 1:
+        dist.barrier()  # released once rank 0's all_reduce has timed out
+        return 0.0
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"within 1\.0 s"):
+        dist.all_reduce(torch.ones(1), group=short)
+    waited = time.monotonic() - start
+    dist.barrier()
+    return waited
+
+
+def test_a_short_group_timeout_fires_instead_of_the_deadlock_report():
+    """Every rank blocked, but rank 0 only until its group's 1 s timeout: not a deadlock."""
+    result = run_threaded(
+        _rank_one_waits_on_the_default_group_while_rank_zero_times_out, 2, deadline=30.0
+    )
+    result.raise_on_failure()
+    assert 1.0 <= result.values[0] < 5.0
+
+
 def _async_never_waited() -> None:
     if dist.get_rank() == 0:
         dist.all_reduce(torch.ones(1), async_op=True)
