@@ -190,6 +190,7 @@ class ThreadedProcessGroup(dist.ProcessGroup):
         self._name = group_name
         self._ranks = global_ranks
         self._seq = 0
+        self._aborted = False
 
     # --- identity ------------------------------------------------------------------------
 
@@ -206,6 +207,14 @@ class ThreadedProcessGroup(dist.ProcessGroup):
             f"size={self._group_size}, global_ranks={list(self._ranks)})"
         )
 
+    def abort(self) -> None:
+        """Refuse every later operation on this handle (other ranks' handles are theirs)."""
+        self._aborted = True
+
+    def _refuse_if_aborted(self, what: str) -> None:
+        if self._aborted:
+            raise RuntimeError(f"{what} on group {self._name!r}: the group was aborted")
+
     # --- plumbing ------------------------------------------------------------------------
 
     def _meet(
@@ -218,6 +227,7 @@ class ThreadedProcessGroup(dist.ProcessGroup):
         outputs: Sequence[torch.Tensor],
         result: list,
     ) -> ThreadedWork:
+        self._refuse_if_aborted(op)
         seq = self._seq
         self._seq += 1
         what = f"{op} #{seq} on group {self._name!r}"
@@ -469,6 +479,7 @@ class ThreadedProcessGroup(dist.ProcessGroup):
     def _p2p(
         self, tensors: list[torch.Tensor], src: int, dst: int, tag: int, sending: bool
     ) -> ThreadedWork:
+        self._refuse_if_aborted("send" if sending else "recv")
         tensor = self._single("send" if sending else "recv", tensors)
         if not 0 <= (dst if sending else src) < self._group_size:
             raise ValueError(

@@ -136,7 +136,8 @@ def test_split_group_beside_the_default_group(rank_ctx) -> None:
 
 @conformance("backend.device_mesh")
 def test_device_mesh_sub_meshes(rank_ctx) -> None:
-    """A (2, world/2) mesh: each dimension's group reduces over its own ranks only."""
+    """A (2, world/2) mesh: each dimension's group, in flight beside the default group,
+    reduces over exactly the ranks that differ along that dimension."""
     world, rank = rank_ctx.world_size, rank_ctx.rank
     findings = Findings("DeviceMesh")
     mesh = init_device_mesh(rank_ctx.device_type, (2, world // 2), mesh_dim_names=("row", "col"))
@@ -144,13 +145,7 @@ def test_device_mesh_sub_meshes(rank_ctx) -> None:
     row, col = divmod(rank, world // 2)
     # The group of a mesh dimension holds the ranks that differ only along that dimension.
     for name, members in (("row", layout[:, col].tolist()), ("col", layout[row].tolist())):
-        group = mesh.get_group(name)
-        inputs = [
-            contribution(r, 37, "int64", op="sum", device=rank_ctx.device) for r in range(world)
-        ]
-        tensor = inputs[rank].clone()
-        dist.all_reduce(tensor, group=group)
-        findings.expect_equal(
-            tensor, reduce([inputs[r] for r in members], "sum"), f"mesh dim {name}"
+        _check_subgroups_beside_the_default_group(
+            findings, mesh.get_group(name), members, rank_ctx, f"mesh dim {name}"
         )
     findings.raise_if_any()
