@@ -53,7 +53,7 @@ from suites.cases import (
 )
 
 SCHEMA = "distconform-conformance"
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 STATUSES = ("PASS", "FAIL", "XFAIL", "XPASS", "UNSUPPORTED", "SKIP")
 APPLIED_STATUSES = ("PASS", "FAIL", "XFAIL", "XPASS")
 _MAX_DETAIL_CHARS = 4000

@@ -326,3 +326,65 @@ def test_the_plugin_takes_profiles_from_the_hook_and_none_without_case_tied_test
             "(does not declare share_comm_ctx)",
         ]
     )
+
+
+# --- two subjects: an implementation and a backend ----------------------------------------
+
+BACKEND_CORE = Profile(
+    "c10d-core", "backend core", True, ("all_reduce", "dtype.float32"), "backend"
+)
+BACKEND_AVG = Profile("reduce_op.avg", "extension", False, ("reduce_op.avg",), "backend")
+
+
+def backend_report(nodeid: str, outcome: str, needs: str, longrepr=None):
+    props = [(CASE_PROPERTY, "backend.x"), (CAPABILITIES_PROPERTY, needs)]
+    props.append((SUBJECT_PROPERTY, "backend"))
+    return report(nodeid, "call", outcome, longrepr, user_properties=props)
+
+
+def test_each_subject_counts_in_its_own_profiles_with_its_own_declaration():
+    recorder = Recorder()
+    for made in (
+        case_report("a::impl_core", "passed", ""),
+        backend_report("b::core", "passed", "all_reduce,dtype.float32"),
+        backend_report("b::core_failed", "failed", "all_reduce", "wrong"),
+        backend_report("b::avg", "passed", "all_reduce,reduce_op.avg"),
+    ):
+        recorder.add(made)
+    environment = {
+        "implementation": {"name": "acme", "capabilities": ALL_CAPABILITIES},
+        "backend_declaration": {
+            "name": "vendorlink",
+            "declaration": "vendorlink.toml",
+            "capabilities": ["all_reduce", "reduce_op.avg"],  # not dtype.float32
+            "not_declared": {"dtype.float32": "why"},
+        },
+    }
+    built = recorder.build(environment, [], [CORE, *EXTENSIONS, BACKEND_CORE, BACKEND_AVG])
+    assert built.subjects() == ["implementation", "backend"]
+    results = {r.profile.name: r for r in built.profile_results()}
+    assert [t.nodeid for t in results["fsdp2-core"].tests] == ["a::impl_core"]
+    assert [t.nodeid for t in results["c10d-core"].tests] == ["b::core", "b::core_failed"]
+    assert [t.nodeid for t in results["reduce_op.avg"].tests] == ["b::avg"]
+    assert not results["fsdp2-core"].withheld  # the implementation declares its core
+    assert results["c10d-core"].missing_capabilities == ["dtype.float32"]
+    assert built.not_conformant_lines() == [
+        "NOT CONFORMANT to c10d-core: vendorlink does not declare dtype.float32, which the "
+        "profile requires"
+    ]
+    assert built.title() == "acme and backend vendorlink"
+    assert "- `dtype.float32`: why" in built.to_markdown()
+    assert any(line.startswith("backend under test: vendorlink") for line in built.header_lines())
+
+
+def test_a_backend_only_run_shows_no_implementation():
+    recorder = Recorder()
+    recorder.add(backend_report("b::core", "passed", "all_reduce"))
+    environment = {
+        "implementation": {"name": "reference", "capabilities": []},
+        "backend_declaration": {"name": "gloo", "capabilities": ["all_reduce", "dtype.float32"]},
+    }
+    built = recorder.build(environment, [], [CORE, BACKEND_CORE])
+    assert [r.profile.name for r in built.profile_results()] == ["c10d-core"]
+    assert built.title() == "backend gloo"
+    assert not any(line.startswith("implementation:") for line in built.header_lines())

@@ -214,7 +214,7 @@ def test_every_test_gets_its_status(vendor_run):
 def test_the_report_names_the_vendor_implementation_and_backend(vendor_run):
     done, report, root = vendor_run
     env = report["environment"]
-    assert (report["schema"], report["schema_version"]) == ("distconform-conformance", 2)
+    assert (report["schema"], report["schema_version"]) == ("distconform-conformance", 3)
     assert env["implementation"]["name"] == "acme-fsdp"
     assert env["implementation"]["spec"] == "acme_fsdp:implementation"
     assert env["implementation"]["capabilities"] == [
