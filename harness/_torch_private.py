@@ -32,13 +32,14 @@ def installed_torch_version() -> tuple[int, int]:
     return int(major), int(minor)
 
 
-def require_audited_torch(accessor: str) -> None:
-    """Refuse a private access on a torch version it was not audited for."""
+def require_audited_torch(accessor: str, module: str = "harness/_torch_private.py") -> None:
+    """Refuse a private access on a torch version it was not audited for; ``module`` is the
+    audited file that asks (``suites/_torch_private.py`` shares this check)."""
     version = installed_torch_version()
     if version not in AUDITED_TORCH:
         audited = ", ".join(f"{a}.{b}" for a, b in AUDITED_TORCH)
         raise PrivateTorchAccessError(
-            f"harness/_torch_private.py:{accessor} reaches a private torch name audited for "
+            f"{module}:{accessor} reaches a private torch name audited for "
             f"torch {audited}, but torch {torch.__version__} is installed. Check that the name "
             f"still means the same thing in this version, then add it to AUDITED_TORCH."
         )

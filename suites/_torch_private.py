@@ -4,9 +4,8 @@ The backend suite must reach two things torch 2.13 offers no public spelling of:
 ``PREMUL_SUM`` reduce op, which only exists with its factor attached
 (``dist._make_nccl_premul_sum``), and the functional collectives that DTensor and FSDP2 call
 (``torch.distributed._functional_collectives``), which a backend must serve like the eager
-ones. Each accessor checks the installed torch first and refuses an unaudited version,
-naming this file. Mirrors ``impl/_torch_private.py`` (``suites`` may not depend on it being
-the same list).
+ones. Each accessor first runs the harness's version check (``suites`` may import
+``harness``), which refuses an unaudited torch and names this file.
 """
 
 from __future__ import annotations
@@ -14,29 +13,13 @@ from __future__ import annotations
 from types import ModuleType
 from typing import Any
 
-import torch
+from harness import _torch_private as _harness_private
 
-AUDITED_TORCH = ((2, 13),)
-
-
-class PrivateTorchAccessError(RuntimeError):
-    """A private torch name is used on a torch version nobody audited it on."""
-
-
-def installed_torch_version() -> tuple[int, int]:
-    major, minor = torch.__version__.split("+")[0].split(".")[:2]
-    return int(major), int(minor)
+MODULE = "suites/_torch_private.py"
 
 
 def require_audited_torch(accessor: str) -> None:
-    version = installed_torch_version()
-    if version not in AUDITED_TORCH:
-        audited = ", ".join(f"{a}.{b}" for a, b in AUDITED_TORCH)
-        raise PrivateTorchAccessError(
-            f"suites/_torch_private.py:{accessor} reaches a private torch name audited for "
-            f"torch {audited}, but torch {torch.__version__} is installed. Check that the name "
-            f"still means the same thing in this version, then add it to AUDITED_TORCH."
-        )
+    _harness_private.require_audited_torch(accessor, module=MODULE)
 
 
 def premul_sum(factor: float) -> Any:

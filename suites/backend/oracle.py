@@ -102,6 +102,13 @@ class Findings:
                 f"{index}: got {got!r}, expected {want!r}"
             )
 
+    def expect_each_from_its_rank(
+        self, received: Sequence[torch.Tensor], sent: Sequence[torch.Tensor], where: str
+    ) -> None:
+        """``received[r]`` must equal what rank r sent (a gathered list, in rank order)."""
+        for src, (got, want) in enumerate(zip(received, sent, strict=True)):
+            self.expect_equal(got, want, f"from rank {src}, {where}")
+
     def note(self, problem: str) -> None:
         self.problems.append(problem)
 

@@ -27,8 +27,7 @@ def test_all_gather(dtype: str, rank_ctx) -> None:
         where = f"{numel} elements, {layout}"
         outputs = [torch.zeros_like(t) for t in inputs]
         dist.all_gather(outputs, laid_out(inputs[rank], layout))
-        for src, (got, want) in enumerate(zip(outputs, inputs, strict=True)):
-            findings.expect_equal(got, want, f"list form, from rank {src}, {where}")
+        findings.expect_each_from_its_rank(outputs, inputs, f"list form, {where}")
         output = torch.zeros(numel * len(inputs), dtype=torch_dtype(dtype), device=device)
         dist.all_gather_single(output, laid_out(inputs[rank], layout))
         findings.expect_equal(output, torch.cat(inputs), f"single form, {where}")
@@ -48,8 +47,7 @@ def test_all_gather_uneven_list(dtype: str, rank_ctx) -> None:
         ]
         outputs = [torch.zeros_like(t) for t in inputs]
         dist.all_gather(outputs, inputs[rank].clone())
-        for src, (got, want) in enumerate(zip(outputs, inputs, strict=True)):
-            findings.expect_equal(got, want, f"rank {src}'s {base + src} elements")
+        findings.expect_each_from_its_rank(outputs, inputs, f"{base} + rank elements each")
     findings.raise_if_any()
 
 
@@ -77,10 +75,9 @@ def test_gather_to_every_rank(dtype: str, rank_ctx) -> None:
             outputs = [torch.zeros_like(t) for t in inputs] if rank == dst else None
             dist.gather(laid_out(inputs[rank], layout), outputs, dst=dst)
             if outputs is not None:
-                for src, (got, want) in enumerate(zip(outputs, inputs, strict=True)):
-                    findings.expect_equal(
-                        got, want, f"dst {dst}, from rank {src}, {numel} elements, {layout}"
-                    )
+                findings.expect_each_from_its_rank(
+                    outputs, inputs, f"dst {dst}, {numel} elements, {layout}"
+                )
     findings.raise_if_any()
 
 

@@ -41,8 +41,7 @@ def _all_gather(rank: int, device: torch.device, findings: Findings) -> None:
     inputs = everyones(NUMEL, DTYPE, device=device)
     outputs = [torch.zeros_like(t) for t in inputs]
     dist.all_gather(outputs, laid_out(inputs[rank], "strided"))
-    for src, (got, want) in enumerate(zip(outputs, inputs, strict=True)):
-        findings.expect_equal(got, want, f"all_gather input, from rank {src}")
+    findings.expect_each_from_its_rank(outputs, inputs, "all_gather input")
 
 
 def _reduce_scatter(rank: int, device: torch.device, findings: Findings) -> None:
