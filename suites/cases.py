@@ -2,7 +2,8 @@
 
 Two tables, one per subject under test: ``suites/cases.toml`` (the sharding implementation,
 capabilities declared by ``--impl``) and ``suites/backend/cases.toml`` (the communication
-backend, capabilities declared in its TOML declaration, ``suites/backend/declaration.py``).
+backend, capability names in ``suites/backend_capabilities.py``, declared in the backend's
+TOML declaration, ``suites/backend/declaration.py``).
 They share one format and one id space; each row records its subject, so the conformance
 plugin asks the right party for capabilities and the report keeps their profiles apart.
 
@@ -48,6 +49,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+from suites.backend_capabilities import KNOWN_BACKEND_CAPABILITIES
 
 CASES_FILE = Path(__file__).with_name("cases.toml")
 #: The backend suite's table: cases about a communication backend, not an implementation.
@@ -297,8 +300,6 @@ def with_extensions(
 def known_capabilities(subject: str) -> frozenset[str]:
     """The capability names a subject's case table and declarations may use."""
     if subject == BACKEND:
-        from suites.backend.declaration import KNOWN_BACKEND_CAPABILITIES
-
         return KNOWN_BACKEND_CAPABILITIES
     # impl.api imports torch; the report's header needs the profiles before any test runs.
     from impl.api import KNOWN_CAPABILITIES

@@ -51,7 +51,7 @@ _SUBJECT_WORDS = {
     IMPLEMENTATION: ("implementation", "`impl.api.KNOWN_CAPABILITIES`", "suites/cases.toml"),
     BACKEND: (
         "backend",
-        "`suites/backend/declaration.py`, declared per backend in "
+        "`suites/backend_capabilities.py`, declared per backend in "
         "`suites/backend/declarations/<backend>.toml`",
         "suites/backend/cases.toml",
     ),

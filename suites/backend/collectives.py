@@ -11,8 +11,8 @@ import torch.distributed as dist
 
 from suites import _torch_private
 from suites.backend.contributions import contribution, reduction_points
-from suites.backend.declaration import DTYPES
 from suites.backend.oracle import PREMUL_FACTOR
+from suites.backend_capabilities import DTYPES
 from suites.cases import grid_id
 
 

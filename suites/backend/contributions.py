@@ -14,7 +14,7 @@ from collections.abc import Iterator
 
 import torch
 
-from suites.backend.declaration import DTYPES, REDUCE_OPS
+from suites.backend_capabilities import DTYPES, REDUCE_OPS
 
 #: Element counts every item checks: empty, a single element, an odd count.
 SIZES = (0, 1, 37)

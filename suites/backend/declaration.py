@@ -1,7 +1,7 @@
-"""What a communication backend declares it supports: the backend suite's capabilities.
+"""What a communication backend declares it supports, read from its declaration file.
 
-The backend suite checks a c10d backend, not an FSDP implementation, so its capabilities are
-operations, reduce ops, dtypes and semantics. A backend declares its own in a TOML file::
+The capability names (operations, reduce ops, dtypes, semantics) are those of
+``suites/backend_capabilities.py``. A backend declares its own in a TOML file::
 
     backend = "gloo"
     capabilities = ["all_reduce", "reduce_op.sum", "dtype.float32", ...]
@@ -22,59 +22,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from suites.backend_capabilities import KNOWN_BACKEND_CAPABILITIES
+
 DECLARATIONS_DIR = Path(__file__).with_name("declarations")
-
-REDUCE_OPS = ("sum", "avg", "product", "min", "max", "band", "bor", "bxor", "premul_sum")
-DTYPES = (
-    "float32",
-    "float64",
-    "float16",
-    "bfloat16",
-    "int8",
-    "int32",
-    "int64",
-    "bool",
-    "complex64",
-)
-
-OPERATIONS = {
-    "all_reduce": "all_reduce",
-    "broadcast": "broadcast from every source rank",
-    "reduce": "reduce to every destination rank",
-    "all_gather": "all_gather (list) and all_gather_single with equal sizes",
-    "all_gather_uneven": "all_gather (list) with a different size per rank",
-    "reduce_scatter": "reduce_scatter (list) and reduce_scatter_single",
-    "all_to_all": "all_to_all (list, equal sizes) and all_to_all_single with even and uneven "
-    "splits",
-    "all_to_all_uneven": "all_to_all (list) with a different size per pair of ranks",
-    "gather": "gather to every destination rank",
-    "scatter": "scatter from every source rank",
-    "barrier": "barrier",
-    "send_recv": "send / recv and isend / irecv",
-    "batch_isend_irecv": "batch_isend_irecv",
-    "object_collectives": "all_gather_object, gather_object, broadcast_object_list, "
-    "scatter_object_list, send/recv_object_list",
-    "coalesced": "the ProcessGroup's coalesced calls (allreduce_coalesced, "
-    "allgather_into_tensor_coalesced, reduce_scatter_tensor_coalesced)",
-    "new_group": "sub-groups from new_group used concurrently with the default group",
-    "split_group": "sub-groups from split_group",
-    "device_mesh": "DeviceMesh sub-meshes",
-    "functional": "the functional collectives DTensor, FSDP2 and torch.compile issue "
-    "(all_reduce, all_gather_single, reduce_scatter_single, all_to_all_single, wait_tensor)",
-    "dtensor": "DTensor redistributions (Shard <-> Replicate <-> Partial)",
-    "async_work": "async_op=True: wait, is_completed, get_future, several outstanding works",
-    "timeout": "a rank that never joins makes the others fail within the group's timeout",
-    "abort": "an aborted group refuses every later collective",
-    "mismatch_detection": "ranks disagreeing on a collective's shape or dtype get an error",
-}
-
-KNOWN_BACKEND_CAPABILITIES = frozenset(
-    {
-        *OPERATIONS,
-        *(f"reduce_op.{op}" for op in REDUCE_OPS),
-        *(f"dtype.{dtype}" for dtype in DTYPES),
-    }
-)
 
 
 class DeclarationError(ValueError):
@@ -126,7 +76,7 @@ def parse_declaration(text: str, *, source: Path | None = None) -> BackendDeclar
     if named - KNOWN_BACKEND_CAPABILITIES:
         raise DeclarationError(
             f"{where}: unknown capabilities {sorted(named - KNOWN_BACKEND_CAPABILITIES)}; the "
-            f"known ones are listed in suites/backend/declaration.py"
+            f"known ones are listed in suites/backend_capabilities.py"
         )
     both = set(capabilities) & set(not_declared)
     if both:

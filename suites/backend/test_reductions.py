@@ -14,8 +14,8 @@ import torch.distributed as dist
 
 from suites.backend.collectives import everyones, reduce_op, reduction_grid
 from suites.backend.contributions import laid_out, shapes
-from suites.backend.declaration import REDUCE_OPS
 from suites.backend.oracle import Findings, reduce, rounds
+from suites.backend_capabilities import REDUCE_OPS
 from suites.cases import conformance, grid_id
 
 #: Ops the reduce and reduce_scatter items cover (all_reduce covers all of them).

@@ -50,7 +50,7 @@ def test_the_table_defines_the_required_core_and_one_extension_per_other_capabil
 
 
 def test_the_backend_table_has_its_own_core_and_extensions():
-    from suites.backend.declaration import KNOWN_BACKEND_CAPABILITIES
+    from suites.backend_capabilities import KNOWN_BACKEND_CAPABILITIES
     from suites.cases import BACKEND
 
     profiles = [p for p in load_profiles() if p.subject == BACKEND]
