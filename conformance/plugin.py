@@ -35,7 +35,6 @@ from suites.cases import (
     CASE_MARKER,
     Profile,
     apply_case_table,
-    case,
     load_profiles,
 )
 
@@ -219,7 +218,9 @@ class ConformancePlugin:
         out = config.getoption("conformance_out")
         self.out_dir = Path(out) if out else None
         self.reporting = self.out_dir is not None or config.getoption("conformance_table")
-        self.recorder = conformance_report.Recorder()
+        self.recorder = conformance_report.Recorder(
+            lambda nodeid: self.expectations.xfail_for(nodeid)
+        )
         self.stale: list[Entry] = []
         self.profiles: list[Profile] = []
         self.report: conformance_report.ConformanceReport | None = None
@@ -232,6 +233,25 @@ class ConformancePlugin:
                 self.profiles = conformance_report.profiles_from_hook(raw)
             except ValueError as exc:
                 raise pytest.UsageError(f"distconform: {exc}") from None
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_sessionstart(self, session: pytest.Session) -> None:
+        """Add the bundled expectations of the run's backend (the backend suite's known
+        differences), unless a file was named: a named file replaces every default.
+
+        At session start, not at collection: a pytest-xdist controller collects nothing but
+        reports the expectations applied, and the harness has resolved the backend by now.
+        """
+        if self.config.getoption("expectations"):
+            return
+        try:
+            backend = settings_of(self.config).backend
+        except pytest.UsageError:
+            return  # the harness plugin is disabled: no backend, no backend suite
+        try:
+            self.expectations = combine(self.expectations, default_backend_expectations(backend))
+        except ExpectationsError as exc:
+            raise pytest.UsageError(f"distconform: {exc}") from None
 
     def pytest_distconform_reproducer_args(self, config: pytest.Config) -> list[str]:
         args: list[str] = []
@@ -252,20 +272,7 @@ class ConformancePlugin:
     def pytest_collection_modifyitems(self, config: pytest.Config, items: list[pytest.Item]):
         # Before any deselection: staleness is judged against everything collected.
         collected_files = {item.nodeid.split("::", 1)[0] for item in items}
-        backend_cases = any(
-            (marker := item.get_closest_marker(CASE_MARKER)) is not None
-            and case(marker.args[0]).subject == BACKEND
-            for item in items
-        )
-        if backend_cases and not config.getoption("expectations"):
-            # A named file replaces every default, as it does for the implementation's.
-            backend = settings_of(config).backend
-            try:
-                self.expectations = combine(
-                    self.expectations, default_backend_expectations(backend)
-                )
-            except ExpectationsError as exc:
-                raise pytest.UsageError(f"distconform: {exc}") from None
+
         used: set[int] = set()
         for item in items:
             self.recorder.describe_item(item)

@@ -32,7 +32,7 @@ import platform
 import re
 import sys
 from collections import Counter, defaultdict
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -128,10 +128,12 @@ def _crash_message(report: pytest.TestReport) -> str:
 class Recorder:
     """Turns the stream of TestReports into one TestResult per test."""
 
-    def __init__(self) -> None:
+    def __init__(self, expectation_of: Callable[[str], Entry | None] | None = None) -> None:
         self.results: dict[str, TestResult] = {}
         self._items: dict[str, tuple[str, int | None]] = {}
         self._expected: dict[str, Entry] = {}
+        # For reports of items collected elsewhere (pytest-xdist workers): their entry.
+        self._expectation_of = expectation_of
 
     def describe_item(self, item: pytest.Item) -> None:
         self._items[item.nodeid] = (feature_of(item), world_size_of(item))
@@ -161,6 +163,8 @@ class Recorder:
         result.when = report.when
         entry = self._expected.get(report.nodeid)
         wasxfail = getattr(report, "wasxfail", None)
+        if entry is None and wasxfail is not None and self._expectation_of is not None:
+            entry = self._expectation_of(report.nodeid)
         if entry is not None:
             result.category, result.link = entry.category, entry.link
             wasxfail = entry.reason if wasxfail is not None else None

@@ -130,6 +130,8 @@ class ThreadedWork(dist.Work):
             with self._world.lock:
                 if not meeting.settled():
                     meeting.error = error
+                    for future, _ in meeting.futures:
+                        future.set_exception(error)
             raise
         if meeting.error is not None:
             if isinstance(meeting.error, CollectiveMismatchError):

@@ -2,10 +2,12 @@
 rank's input and with it the ground truth, without trusting the backend under test.
 
 Values are small integers (or integers plus an imaginary part), exact in every dtype the
-suite covers, chosen per reduce op so that the exact result also fits: sums of at most 8
-values in [-8, 8], products of +-1 with a single factor 2 per element, bitwise ops on
-[0, 100]. Data-movement ops use values that differ between ranks and positions, so that an
-element delivered from the wrong rank or offset is seen.
+suite covers, chosen per reduce op so that the exact result also fits and still depends on
+every rank: sums of at most 8 values in [-8, 8], products of +-1 with at most one factor 2
+per element, AND / OR of 7-bit values where at most one rank clears or sets a bit per
+element (``tests/suites/test_backend_inputs.py`` holds these properties). Data-movement ops
+use values that differ between ranks and positions, so that an element delivered from the
+wrong rank or offset is seen.
 """
 
 from __future__ import annotations
@@ -16,12 +18,10 @@ import torch
 
 from suites.backend_capabilities import DTYPES, REDUCE_OPS
 
-#: Element counts every item checks: empty, a single element, an odd count.
+#: Element counts every item checks: empty, a single element, an odd count. Strided tensors
+#: have a case of their own (``test_non_contiguous``): a backend that ignores strides gets
+#: every op wrong at once, which would otherwise turn every case red and hide the rest.
 SIZES = (0, 1, 37)
-#: Layouts the main cases use. Strided inputs have a case of their own
-#: (``test_non_contiguous``): a backend that ignores strides gets every op wrong at once,
-#: which would otherwise turn every case red and hide what else it gets wrong.
-LAYOUTS = ("contiguous",)
 
 _FLOATING = {"float32", "float64", "float16", "bfloat16"}
 _INTEGRAL = {"int8", "int32", "int64"}
@@ -55,10 +55,19 @@ def reduction_points(ops: tuple[str, ...] = REDUCE_OPS) -> Iterator[tuple[str, s
 def _integers(rank: int, numel: int, salt: int, recipe: str, world_size: int) -> torch.Tensor:
     # Built on the CPU on purpose: the ground truth never touches the device under test.
     i = torch.arange(numel, dtype=torch.int64, device="cpu")
+    # At each element at most one rank is "marked", a different one from element to element:
+    # reductions that would otherwise saturate (AND of many values, OR of many bits, a sign
+    # that flips once per element) keep a result that depends on which rank sent what.
+    marked = (i * 7 + salt) % (world_size + 1) == rank
+    bit = 1 << ((i * 5 + rank) % 7)
     if recipe == "product":
-        sign = torch.where((i + rank) % 3 == 0, -1, 1)
-        return torch.where(i % world_size == rank, 2 * sign, sign)
-    if recipe == "bitwise":
+        sign = torch.where((i + salt) // (rank + 1) % 2 == 1, -1, 1)
+        return torch.where(marked, 2 * sign, sign)
+    if recipe == "band":
+        return torch.where(marked, 127 - bit, 127)
+    if recipe == "bor":
+        return torch.where(marked, bit, 0)
+    if recipe == "bxor":
         return (rank * 29 + i * 13 + salt) % 101
     if recipe == "sum":
         # Period 17 * 17, so that equal-sized blocks of one rank's input differ (a period
@@ -68,13 +77,15 @@ def _integers(rank: int, numel: int, salt: int, recipe: str, world_size: int) ->
 
 
 def recipe_for(op: str | None) -> str:
-    if op == "product":
-        return "product"
-    if op in ("band", "bor", "bxor"):
-        return "bitwise"
+    if op in ("product", "band", "bor", "bxor"):
+        return op
     if op in ("sum", "avg", "premul_sum"):
         return "sum"
     return "move"
+
+
+#: For bool, which recipe's marks stand in for each op (True where the rank is marked).
+_BOOL_MARKS = {"band": False, "min": False, "bor": True, "max": True}
 
 
 def contribution(
@@ -88,6 +99,10 @@ def contribution(
     device: torch.device | str = "cpu",
 ) -> torch.Tensor:
     """Rank ``rank``'s input of ``numel`` elements for reduce op ``op`` (None: data movement)."""
+    if dtype == "bool" and op in _BOOL_MARKS:
+        marked = _integers(rank, numel, salt, "bor", world_size) != 0
+        tensor = marked if _BOOL_MARKS[op] else ~marked
+        return tensor.to(device)
     values = _integers(rank, numel, salt, recipe_for(op), world_size)
     if dtype == "bool":
         tensor = values % 2 == 1
@@ -99,21 +114,16 @@ def contribution(
     return tensor.to(device)
 
 
-def laid_out(tensor: torch.Tensor, layout: str) -> torch.Tensor:
-    """``tensor``'s values in the given memory layout (a fresh tensor either way);
-    ``strided``: every other element of a buffer twice as long."""
-    if layout == "contiguous":
-        return tensor.clone()
-    if layout != "strided":
-        raise ValueError(f"unknown layout {layout!r}")
+def pair_salt(dst: int) -> int:
+    """The salt that makes rank src's data-movement input for ``dst`` differ from every other
+    (src, dst) pair's, up to 8 ranks: the "move" recipe's offset 37 * (src + 8 * dst) mod 101
+    is distinct for each pair (37 is invertible mod the prime 101, and src + 8 * dst < 101)."""
+    return 37 * 8 * dst
+
+
+def strided(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``'s values as every other element of a fresh buffer twice as long."""
     buffer = torch.zeros(2 * tensor.numel(), dtype=tensor.dtype, device=tensor.device)
     view = buffer[::2]
     view.copy_(tensor.reshape(-1))
     return view.view(tensor.shape) if tensor.dim() == 1 else view.reshape(tensor.shape)
-
-
-def shapes() -> Iterator[tuple[int, str]]:
-    """Every (element count, layout) an item checks."""
-    for numel in SIZES:
-        for layout in LAYOUTS:
-            yield numel, layout

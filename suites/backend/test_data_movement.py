@@ -12,8 +12,8 @@ import torch
 import torch.distributed as dist
 
 from suites.backend.collectives import dtype_grid, everyones
-from suites.backend.contributions import contribution, laid_out, shapes, torch_dtype
-from suites.backend.oracle import Findings
+from suites.backend.contributions import SIZES, contribution, pair_salt
+from suites.backend.oracle import Findings, unlike
 from suites.cases import conformance, grid_id
 
 
@@ -22,14 +22,14 @@ from suites.cases import conformance, grid_id
 def test_all_gather(dtype: str, rank_ctx) -> None:
     findings = Findings(f"all_gather {dtype}")
     rank, device = rank_ctx.rank, rank_ctx.device
-    for salt, (numel, layout) in enumerate(shapes()):
+    for salt, numel in enumerate(SIZES):
         inputs = everyones(numel, dtype, salt=salt, device=device)
-        where = f"{numel} elements, {layout}"
-        outputs = [torch.zeros_like(t) for t in inputs]
-        dist.all_gather(outputs, laid_out(inputs[rank], layout))
+        where = f"{numel} elements"
+        outputs = [unlike(t) for t in inputs]
+        dist.all_gather(outputs, inputs[rank].clone())
         findings.expect_each_from_its_rank(outputs, inputs, f"list form, {where}")
-        output = torch.zeros(numel * len(inputs), dtype=torch_dtype(dtype), device=device)
-        dist.all_gather_single(output, laid_out(inputs[rank], layout))
+        output = unlike(torch.cat(inputs))
+        dist.all_gather_single(output, inputs[rank].clone())
         findings.expect_equal(output, torch.cat(inputs), f"single form, {where}")
     findings.raise_if_any()
 
@@ -45,7 +45,7 @@ def test_all_gather_uneven_list(dtype: str, rank_ctx) -> None:
             contribution(r, base + r, dtype, salt=base, world_size=world, device=device)
             for r in range(world)
         ]
-        outputs = [torch.zeros_like(t) for t in inputs]
+        outputs = [unlike(t) for t in inputs]
         dist.all_gather(outputs, inputs[rank].clone())
         findings.expect_each_from_its_rank(outputs, inputs, f"{base} + rank elements each")
     findings.raise_if_any()
@@ -56,11 +56,11 @@ def test_all_gather_uneven_list(dtype: str, rank_ctx) -> None:
 def test_broadcast_from_every_rank(dtype: str, rank_ctx) -> None:
     findings = Findings(f"broadcast {dtype}")
     for src in range(rank_ctx.world_size):
-        for salt, (numel, layout) in enumerate(shapes()):
+        for salt, numel in enumerate(SIZES):
             inputs = everyones(numel, dtype, salt=salt + src, device=rank_ctx.device)
-            tensor = laid_out(inputs[rank_ctx.rank], layout)
+            tensor = inputs[rank_ctx.rank].clone()
             dist.broadcast(tensor, src=src)
-            findings.expect_equal(tensor, inputs[src], f"src {src}, {numel} elements, {layout}")
+            findings.expect_equal(tensor, inputs[src], f"src {src}, {numel} elements")
     findings.raise_if_any()
 
 
@@ -70,14 +70,12 @@ def test_gather_to_every_rank(dtype: str, rank_ctx) -> None:
     findings = Findings(f"gather {dtype}")
     rank = rank_ctx.rank
     for dst in range(rank_ctx.world_size):
-        for salt, (numel, layout) in enumerate(shapes()):
+        for salt, numel in enumerate(SIZES):
             inputs = everyones(numel, dtype, salt=salt + dst, device=rank_ctx.device)
-            outputs = [torch.zeros_like(t) for t in inputs] if rank == dst else None
-            dist.gather(laid_out(inputs[rank], layout), outputs, dst=dst)
+            outputs = [unlike(t) for t in inputs] if rank == dst else None
+            dist.gather(inputs[rank].clone(), outputs, dst=dst)
             if outputs is not None:
-                findings.expect_each_from_its_rank(
-                    outputs, inputs, f"dst {dst}, {numel} elements, {layout}"
-                )
+                findings.expect_each_from_its_rank(outputs, inputs, f"dst {dst}, {numel} elements")
     findings.raise_if_any()
 
 
@@ -87,19 +85,20 @@ def test_scatter_from_every_rank(dtype: str, rank_ctx) -> None:
     findings = Findings(f"scatter {dtype}")
     world, rank = rank_ctx.world_size, rank_ctx.rank
     for src in range(world):
-        for salt, (numel, layout) in enumerate(shapes()):
+        for salt, numel in enumerate(SIZES):
             # Piece i of the source's list goes to rank i: contribution(i) salted by src.
             pieces = everyones(numel, dtype, salt=salt + 3 * src, device=rank_ctx.device)
-            output = torch.zeros_like(pieces[rank])
-            sent = [laid_out(p, layout) for p in pieces] if rank == src else None
+            output = unlike(pieces[rank])
+            sent = [p.clone() for p in pieces] if rank == src else None
             dist.scatter(output, sent, src=src)
-            findings.expect_equal(output, pieces[rank], f"src {src}, {numel} elements, {layout}")
+            findings.expect_equal(output, pieces[rank], f"src {src}, {numel} elements")
     findings.raise_if_any()
 
 
 def _piece(src: int, dst: int, numel: int, dtype: str, device: torch.device) -> torch.Tensor:
-    """What rank ``src`` sends rank ``dst`` in an all-to-all: distinct for every pair."""
-    return contribution(src, numel, dtype, salt=17 * dst, world_size=1, device=device)
+    """What rank ``src`` sends rank ``dst`` in an all-to-all: distinct for every pair of up to
+    8 ranks (``pair_salt``), so a piece delivered to or from the wrong rank is seen."""
+    return contribution(src, numel, dtype, salt=pair_salt(dst), world_size=1, device=device)
 
 
 @conformance("backend.all_to_all")
@@ -109,29 +108,27 @@ def test_all_to_all(dtype: str, rank_ctx) -> None:
     splits (rank src sends ``src + dst + 1`` rows to dst, as a mixture-of-experts dispatch)."""
     findings = Findings(f"all_to_all {dtype}")
     world, rank, device = rank_ctx.world_size, rank_ctx.rank, rank_ctx.device
-    for numel, layout in shapes():
-        where = f"{numel} elements per peer, {layout}"
-        sent = [laid_out(_piece(rank, dst, numel, dtype, device), layout) for dst in range(world)]
-        received = [
-            torch.zeros_like(_piece(src, rank, numel, dtype, device)) for src in range(world)
-        ]
+    for numel in SIZES:
+        where = f"{numel} elements per peer"
+        sent = [_piece(rank, dst, numel, dtype, device) for dst in range(world)]
+        received = [unlike(_piece(src, rank, numel, dtype, device)) for src in range(world)]
         dist.all_to_all(received, sent)
         for src in range(world):
             findings.expect_equal(
                 received[src], _piece(src, rank, numel, dtype, device), f"list, from {src}, {where}"
             )
-        output = torch.zeros(numel * world, dtype=torch_dtype(dtype), device=device)
         flat = torch.cat([_piece(rank, dst, numel, dtype, device) for dst in range(world)])
-        dist.all_to_all_single(output, laid_out(flat, layout))
         expected = torch.cat([_piece(src, rank, numel, dtype, device) for src in range(world)])
+        output = unlike(expected)
+        dist.all_to_all_single(output, flat)
         findings.expect_equal(output, expected, f"single, even splits, {where}")
 
     in_splits = [rank + dst + 1 for dst in range(world)]
     out_splits = [src + rank + 1 for src in range(world)]
     flat = torch.cat([_piece(rank, dst, n, dtype, device) for dst, n in enumerate(in_splits)])
-    output = torch.zeros(sum(out_splits), dtype=torch_dtype(dtype), device=device)
-    dist.all_to_all_single(output, flat, out_splits, in_splits)
     expected = torch.cat([_piece(src, rank, n, dtype, device) for src, n in enumerate(out_splits)])
+    output = unlike(expected)
+    dist.all_to_all_single(output, flat, out_splits, in_splits)
     findings.expect_equal(output, expected, f"single, uneven splits {in_splits}")
     findings.raise_if_any()
 
@@ -143,9 +140,7 @@ def test_all_to_all_uneven_list(dtype: str, rank_ctx) -> None:
     findings = Findings(f"all_to_all (uneven list) {dtype}")
     world, rank, device = rank_ctx.world_size, rank_ctx.rank, rank_ctx.device
     sent = [_piece(rank, dst, rank + dst + 1, dtype, device) for dst in range(world)]
-    received = [
-        torch.zeros(src + rank + 1, dtype=torch_dtype(dtype), device=device) for src in range(world)
-    ]
+    received = [unlike(_piece(src, rank, src + rank + 1, dtype, device)) for src in range(world)]
     dist.all_to_all(received, sent)
     for src in range(world):
         findings.expect_equal(

@@ -1,6 +1,8 @@
 """Error semantics, each checked without hanging: every check runs on a sub-group with a short
-timeout, so a backend that hangs where it should raise fails within seconds, and the pool
-that saw it is replaced (``fresh_pool``) instead of reused."""
+timeout, and the abort and mismatch checks wait for their work with that timeout
+(``async_op=True`` then ``wait(timeout)``, which blocks the host even on backends whose calls
+return before the device finishes), so a backend that hangs where it should raise fails
+within seconds; the pool that saw it is replaced (``fresh_pool``) instead of reused."""
 
 from __future__ import annotations
 
@@ -23,12 +25,17 @@ def _timed_group() -> dist.ProcessGroup:
     return dist.new_group(timeout=TIMEOUT)
 
 
+def _all_reduce_and_wait(tensor: torch.Tensor, group: dist.ProcessGroup) -> None:
+    dist.all_reduce(tensor, group=group, async_op=True).wait(TIMEOUT)
+
+
 @conformance("backend.timeout")
 @pytest.mark.fresh_pool
 def test_absent_rank_times_the_others_out(rank_ctx) -> None:
-    """The last rank never joins an all_reduce: every other rank gets an error within the
-    group's timeout (plus slack), not a hang and not a wrong result."""
+    """The last rank never joins an all_reduce: every other rank gets an error once the
+    group's timeout has passed (not before, not a hang, not a result)."""
     group = _timed_group()
+    _all_reduce_and_wait(torch.ones(4, device=rank_ctx.device), group)  # the group works
     last = rank_ctx.world_size - 1
     if rank_ctx.rank == last:
         # Stay (on the default group) until the others have their errors: leaving the test
@@ -36,18 +43,26 @@ def test_absent_rank_times_the_others_out(rank_ctx) -> None:
         # instead of the timeout.
         dist.barrier()
         return
-    tensor = torch.ones(4, device=rank_ctx.device)
     start = time.monotonic()
     try:
         with pytest.raises(Exception) as raised:  # RuntimeError, DistBackendError, ...
-            dist.all_reduce(tensor, group=group)
+            # wait() with no timeout of its own: the group's timeout is what is checked.
+            # (NCCL enforces it on the host only with TORCH_NCCL_BLOCKING_WAIT=1; otherwise
+            # its watchdog aborts the process, which this check reports as a crash.)
+            dist.all_reduce(
+                torch.ones(4, device=rank_ctx.device), group=group, async_op=True
+            ).wait()
     finally:
         waited = time.monotonic() - start
         dist.barrier()
-    limit = TIMEOUT.total_seconds() + SLACK_S
-    assert waited <= limit, (
-        f"the error came after {waited:.1f} s, the group's timeout is "
-        f"{TIMEOUT.total_seconds():.0f} s: {raised.value}"
+    timeout = TIMEOUT.total_seconds()
+    assert waited >= timeout / 2, (
+        f"the error came after only {waited:.1f} s, before the group's {timeout:.0f} s "
+        f"timeout: it is not a timeout ({raised.value})"
+    )
+    assert waited <= timeout + SLACK_S, (
+        f"the error came after {waited:.1f} s, the group's timeout is {timeout:.0f} s: "
+        f"{raised.value}"
     )
 
 
@@ -58,11 +73,11 @@ def test_aborted_group_refuses_later_collectives(rank_ctx) -> None:
     let a job continue on a communicator its error handling has given up."""
     group = _timed_group()
     tensor = torch.ones(4, device=rank_ctx.device)
-    dist.all_reduce(tensor, group=group)  # the group worked before the abort
+    _all_reduce_and_wait(tensor, group)  # the group worked before the abort
     group.abort()
     start = time.monotonic()
     try:
-        dist.all_reduce(tensor, group=group)
+        _all_reduce_and_wait(tensor, group)
     except Exception as exc:  # the expected outcome: any error, soon
         waited = time.monotonic() - start
         assert waited < TIMEOUT.total_seconds(), (
@@ -90,13 +105,21 @@ MISMATCHES = {
     "mismatch", [pytest.param(name, id=grid_id(mismatch=name)) for name in MISMATCHES]
 )
 def test_mismatched_calls_raise_on_every_rank(mismatch: str, rank_ctx) -> None:
-    """Ranks that disagree on an all_reduce's shape or dtype must all get an error, none a
-    result (which would be computed from misread bytes)."""
+    """Ranks that disagree on an all_reduce's shape or dtype must all get an error, well
+    before the group's timeout: a result would be computed from misread bytes, and an error
+    only at the timeout means the backend waited instead of detecting the mismatch."""
     group = _timed_group()
+    _all_reduce_and_wait(torch.ones(4, device=rank_ctx.device), group)  # the group works
     tensor = MISMATCHES[mismatch](rank_ctx.rank, rank_ctx.device)
+    start = time.monotonic()
     try:
-        dist.all_reduce(tensor, group=group)
-    except Exception:
+        _all_reduce_and_wait(tensor, group)
+    except Exception as exc:
+        waited = time.monotonic() - start
+        assert waited < TIMEOUT.total_seconds() / 2, (
+            f"the mismatch raised only after {waited:.1f} s, near the group's timeout: the "
+            f"backend waited instead of detecting it ({exc})"
+        )
         return
     pytest.fail(
         f"rank {rank_ctx.rank}'s all_reduce of {tuple(tensor.shape)} {tensor.dtype} "

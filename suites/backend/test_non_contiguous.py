@@ -15,8 +15,8 @@ import torch
 import torch.distributed as dist
 
 from suites.backend.collectives import everyones
-from suites.backend.contributions import laid_out
-from suites.backend.oracle import Findings, reduce
+from suites.backend.contributions import strided
+from suites.backend.oracle import Findings, reduce, unlike
 from suites.cases import conformance, grid_id
 
 NUMEL = 37
@@ -25,40 +25,40 @@ DTYPE = "float32"
 
 def _all_reduce(rank: int, device: torch.device, findings: Findings) -> None:
     inputs = everyones(NUMEL, DTYPE, op="sum", device=device)
-    tensor = laid_out(inputs[rank], "strided")
+    tensor = strided(inputs[rank])
     dist.all_reduce(tensor)
     findings.expect_equal(tensor, reduce(inputs, "sum"), "all_reduce in place")
 
 
 def _broadcast(rank: int, device: torch.device, findings: Findings) -> None:
     inputs = everyones(NUMEL, DTYPE, device=device)
-    tensor = laid_out(inputs[rank], "strided")
+    tensor = strided(inputs[rank])
     dist.broadcast(tensor, src=0)
     findings.expect_equal(tensor, inputs[0], "broadcast in place")
 
 
 def _all_gather(rank: int, device: torch.device, findings: Findings) -> None:
     inputs = everyones(NUMEL, DTYPE, device=device)
-    outputs = [torch.zeros_like(t) for t in inputs]
-    dist.all_gather(outputs, laid_out(inputs[rank], "strided"))
+    outputs = [unlike(t) for t in inputs]
+    dist.all_gather(outputs, strided(inputs[rank]))
     findings.expect_each_from_its_rank(outputs, inputs, "all_gather input")
 
 
 def _reduce_scatter(rank: int, device: torch.device, findings: Findings) -> None:
     world = dist.get_world_size()
     inputs = everyones(NUMEL * world, DTYPE, op="sum", device=device)
-    output = torch.zeros(NUMEL, device=device)
-    dist.reduce_scatter_single(output, laid_out(inputs[rank], "strided"))
     expected = reduce([t[rank * NUMEL : (rank + 1) * NUMEL] for t in inputs], "sum")
+    output = unlike(expected, device)
+    dist.reduce_scatter_single(output, strided(inputs[rank]))
     findings.expect_equal(output, expected, "reduce_scatter_single input")
 
 
 def _all_to_all(rank: int, device: torch.device, findings: Findings) -> None:
     world = dist.get_world_size()
     inputs = everyones(NUMEL * world, DTYPE, device=device)
-    output = torch.zeros(NUMEL * world, device=device)
-    dist.all_to_all_single(output, laid_out(inputs[rank], "strided"))
     expected = torch.cat([t[rank * NUMEL : (rank + 1) * NUMEL] for t in inputs])
+    output = unlike(expected)
+    dist.all_to_all_single(output, strided(inputs[rank]))
     findings.expect_equal(output, expected, "all_to_all_single input")
 
 
@@ -66,9 +66,9 @@ def _send_recv(rank: int, device: torch.device, findings: Findings) -> None:
     world = dist.get_world_size()
     inputs = everyones(NUMEL, DTYPE, device=device)
     right, left = (rank + 1) % world, (rank - 1) % world
-    received = laid_out(torch.zeros_like(inputs[left]), "strided")
+    received = strided(unlike(inputs[left]))
     works = [
-        dist.isend(laid_out(inputs[rank], "strided"), dst=right),
+        dist.isend(strided(inputs[rank]), dst=right),
         dist.irecv(received, src=left),
     ]
     for work in works:
@@ -76,27 +76,27 @@ def _send_recv(rank: int, device: torch.device, findings: Findings) -> None:
     findings.expect_equal(received, inputs[left], "isend/irecv, both strided")
 
 
-OPERATIONS: dict[str, tuple[str, Callable[[int, torch.device, Findings], None]]] = {
-    "all_reduce": ("all_reduce", _all_reduce),
-    "broadcast": ("broadcast", _broadcast),
-    "all_gather": ("all_gather", _all_gather),
-    "reduce_scatter": ("reduce_scatter", _reduce_scatter),
-    "all_to_all": ("all_to_all", _all_to_all),
-    "send_recv": ("send_recv", _send_recv),
+#: operation (a token of the item's id) -> its check.
+CHECKS: dict[str, Callable[[int, torch.device, Findings], None]] = {
+    "all_reduce": _all_reduce,
+    "broadcast": _broadcast,
+    "all_gather": _all_gather,
+    "reduce_scatter": _reduce_scatter,
+    "all_to_all": _all_to_all,
+    "send_recv": _send_recv,
 }
 
 
 @conformance("backend.non_contiguous")
 @pytest.mark.parametrize(
-    "operation", [pytest.param(name, id=grid_id(operation=name)) for name in OPERATIONS]
+    "operation", [pytest.param(name, id=grid_id(operation=name)) for name in CHECKS]
 )
 def test_strided_tensors_give_the_right_result_or_a_contiguity_error(
     operation: str, rank_ctx
 ) -> None:
     findings = Findings(f"{operation} on strided tensors")
-    _, check = OPERATIONS[operation]
     try:
-        check(rank_ctx.rank, rank_ctx.device, findings)
+        CHECKS[operation](rank_ctx.rank, rank_ctx.device, findings)
     except (RuntimeError, ValueError) as exc:
         if "contiguous" not in str(exc).lower():
             raise  # an error that does not say why is no documented refusal

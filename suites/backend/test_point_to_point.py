@@ -8,13 +8,13 @@ import torch
 import torch.distributed as dist
 
 from suites.backend.collectives import dtype_grid
-from suites.backend.contributions import contribution, laid_out, shapes
-from suites.backend.oracle import Findings
+from suites.backend.contributions import SIZES, contribution, pair_salt
+from suites.backend.oracle import Findings, unlike
 from suites.cases import conformance
 
 
 def _message(src: int, dst: int, numel: int, dtype: str, salt: int, device) -> torch.Tensor:
-    return contribution(src, numel, dtype, salt=salt + 31 * dst, device=device)
+    return contribution(src, numel, dtype, salt=salt + pair_salt(dst), device=device)
 
 
 @conformance("backend.send_recv")
@@ -25,10 +25,10 @@ def test_send_recv_ring(dtype: str, rank_ctx) -> None:
     findings = Findings(f"send/recv {dtype}")
     world, rank, device = rank_ctx.world_size, rank_ctx.rank, rank_ctx.device
     right, left = (rank + 1) % world, (rank - 1) % world
-    for salt, (numel, layout) in enumerate(shapes()):
-        where = f"{numel} elements, {layout}"
-        outgoing = laid_out(_message(rank, right, numel, dtype, salt, device), layout)
-        incoming = torch.zeros_like(_message(left, rank, numel, dtype, salt, device))
+    for salt, numel in enumerate(SIZES):
+        where = f"{numel} elements"
+        outgoing = _message(rank, right, numel, dtype, salt, device)
+        incoming = unlike(_message(left, rank, numel, dtype, salt, device))
         if rank % 2 == 0:
             dist.send(outgoing, dst=right)
             dist.recv(incoming, src=left)
@@ -41,13 +41,15 @@ def test_send_recv_ring(dtype: str, rank_ctx) -> None:
         # a backend that matches by tag, not by arrival, delivers each to its own buffer.
         works = [
             dist.isend(
-                laid_out(_message(rank, right, numel, dtype, salt + tag, device), layout),
+                _message(rank, right, numel, dtype, salt + tag, device),
                 dst=right,
                 tag=tag,
             )
             for tag in (1, 2)
         ]
-        received = {tag: torch.zeros_like(incoming) for tag in (2, 1)}
+        received = {
+            tag: unlike(_message(left, rank, numel, dtype, salt + tag, device)) for tag in (2, 1)
+        }
         works += [dist.irecv(buffer, src=left, tag=tag) for tag, buffer in received.items()]
         for work in works:
             work.wait()
@@ -66,24 +68,22 @@ def test_batch_isend_irecv_ring(dtype: str, rank_ctx) -> None:
     findings = Findings(f"batch_isend_irecv {dtype}")
     world, rank, device = rank_ctx.world_size, rank_ctx.rank, rank_ctx.device
     right, left = (rank + 1) % world, (rank - 1) % world
-    for salt, (numel, layout) in enumerate(shapes()):
-        from_left = torch.zeros_like(_message(left, rank, numel, dtype, salt, device))
-        from_right = torch.zeros_like(_message(right, rank, numel, dtype, salt, device))
+    for salt, numel in enumerate(SIZES):
+        from_left = unlike(_message(left, rank, numel, dtype, salt, device))
+        from_right = unlike(_message(right, rank, numel, dtype, salt, device))
         operations = [
             dist.P2POp(
                 dist.isend,
-                laid_out(_message(rank, right, numel, dtype, salt, device), layout),
+                _message(rank, right, numel, dtype, salt, device),
                 right,
             ),
-            dist.P2POp(
-                dist.isend, laid_out(_message(rank, left, numel, dtype, salt, device), layout), left
-            ),
+            dist.P2POp(dist.isend, _message(rank, left, numel, dtype, salt, device), left),
             dist.P2POp(dist.irecv, from_left, left),
             dist.P2POp(dist.irecv, from_right, right),
         ]
         for work in dist.batch_isend_irecv(operations):
             work.wait()
-        where = f"{numel} elements, {layout}"
+        where = f"{numel} elements"
         findings.expect_equal(
             from_left, _message(left, rank, numel, dtype, salt, device), f"from left, {where}"
         )

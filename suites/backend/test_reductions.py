@@ -13,8 +13,8 @@ import torch
 import torch.distributed as dist
 
 from suites.backend.collectives import everyones, reduce_op, reduction_grid
-from suites.backend.contributions import laid_out, shapes
-from suites.backend.oracle import Findings, reduce, rounds
+from suites.backend.contributions import SIZES
+from suites.backend.oracle import Findings, reduce, rounds, unlike
 from suites.backend_capabilities import REDUCE_OPS
 from suites.cases import conformance, grid_id
 
@@ -26,12 +26,12 @@ ROOTED_OPS = ("sum", "avg", "product", "min", "max", "band")
 @pytest.mark.parametrize(("op", "dtype"), reduction_grid(REDUCE_OPS))
 def test_all_reduce(op: str, dtype: str, rank_ctx) -> None:
     findings = Findings(f"all_reduce {op} {dtype}")
-    for salt, (numel, layout) in enumerate(shapes()):
+    for salt, numel in enumerate(SIZES):
         inputs = everyones(numel, dtype, op=op, salt=salt, device=rank_ctx.device)
-        tensor = laid_out(inputs[rank_ctx.rank], layout)
+        tensor = inputs[rank_ctx.rank].clone()
         dist.all_reduce(tensor, op=reduce_op(op))
         findings.expect_equal(
-            tensor, reduce(inputs, op), f"{numel} elements, {layout}", one_rounding=rounds(op)
+            tensor, reduce(inputs, op), f"{numel} elements", one_rounding=rounds(op)
         )
     findings.raise_if_any()
 
@@ -41,15 +41,15 @@ def test_all_reduce(op: str, dtype: str, rank_ctx) -> None:
 def test_reduce_to_every_rank(op: str, dtype: str, rank_ctx) -> None:
     findings = Findings(f"reduce {op} {dtype}")
     for dst in range(rank_ctx.world_size):
-        for salt, (numel, layout) in enumerate(shapes()):
+        for salt, numel in enumerate(SIZES):
             inputs = everyones(numel, dtype, op=op, salt=salt + dst, device=rank_ctx.device)
-            tensor = laid_out(inputs[rank_ctx.rank], layout)
+            tensor = inputs[rank_ctx.rank].clone()
             dist.reduce(tensor, dst=dst, op=reduce_op(op))
             if rank_ctx.rank == dst:
                 findings.expect_equal(
                     tensor,
                     reduce(inputs, op),
-                    f"dst {dst}, {numel} elements, {layout}",
+                    f"dst {dst}, {numel} elements",
                     one_rounding=rounds(op),
                 )
     findings.raise_if_any()
@@ -62,20 +62,20 @@ def test_reduce_scatter(op: str, dtype: str, rank_ctx) -> None:
     whose i-th block goes to rank i)."""
     findings = Findings(f"reduce_scatter {op} {dtype}")
     world, rank, device = rank_ctx.world_size, rank_ctx.rank, rank_ctx.device
-    for salt, (numel, layout) in enumerate(shapes()):
+    for salt, numel in enumerate(SIZES):
         # inputs[src] holds src's whole input: world blocks of numel elements.
         inputs = everyones(numel * world, dtype, op=op, salt=salt, device=device)
         blocks = [t.split(numel) if numel else [t] * world for t in inputs]
         expected = reduce([blocks[src][rank] for src in range(world)], op)
-        where = f"{numel} elements per rank, {layout}"
+        where = f"{numel} elements per rank"
 
-        output = torch.zeros_like(expected, device=device)
-        pieces = [laid_out(block, layout) for block in blocks[rank]]
+        output = unlike(expected, device)
+        pieces = [block.clone() for block in blocks[rank]]
         dist.reduce_scatter(output, pieces, op=reduce_op(op))
         findings.expect_equal(output, expected, f"list form, {where}", one_rounding=rounds(op))
 
-        output = torch.zeros_like(expected, device=device)
-        dist.reduce_scatter_single(output, laid_out(inputs[rank], layout), op=reduce_op(op))
+        output = unlike(expected, device)
+        dist.reduce_scatter_single(output, inputs[rank].clone(), op=reduce_op(op))
         findings.expect_equal(output, expected, f"single form, {where}", one_rounding=rounds(op))
     findings.raise_if_any()
 

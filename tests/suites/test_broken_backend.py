@@ -108,10 +108,9 @@ def run_item(tmp_path: Path, backend: str, nodeid: str, *, claims: str = "") -> 
     gloo = (DECLARATIONS_DIR / "gloo.toml").read_text()
     gloo = gloo.replace('backend = "gloo"', f'backend = "{backend}"')
     if claims:
-        gloo = gloo.replace("capabilities = [", f'capabilities = ["{claims}", ').replace(
-            f'"{claims}" = ', f'"unused-{claims}" = '
-        )
+        # The claim moves from [not_declared] (dropped whole) into the capabilities.
         gloo = gloo.split("[not_declared]")[0]
+        gloo = gloo.replace("capabilities = [", f'capabilities = ["{claims}", ')
     declaration.write_text(gloo)
     report = tmp_path / f"{backend}.xml"
     command = [sys.executable, "-m", "pytest", nodeid, "--backend", backend]
