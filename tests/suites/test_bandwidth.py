@@ -15,8 +15,23 @@ from pathlib import Path
 
 import pytest
 
-from suites.backend import bandwidth as bw
-from suites.backend.bandwidth import Layout, Target
+from suites.backend.bandwidth import main
+from suites.backend.bandwidth.arithmetic import (
+    DEFAULT_OPS,
+    Layout,
+    algbw_gbps,
+    bus_factor,
+    busbw_gbps,
+    choose_iters,
+    format_bytes,
+    layout,
+    layouts_for,
+    parse_bytes,
+    parse_ops,
+    parse_world_sizes,
+    size_ladder,
+)
+from suites.backend.bandwidth.measure import Target, make_records
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -38,29 +53,29 @@ REPO = Path(__file__).resolve().parents[2]
     ],
 )
 def test_bus_factor_is_nccl_tests_correction(op, world_size, factor):
-    assert bw.bus_factor(op, world_size) == pytest.approx(factor)
+    assert bus_factor(op, world_size) == pytest.approx(factor)
 
 
 def test_bandwidths_in_gigabytes_per_second():
     # 16 MiB = 16_777_216 B in 10 ms: 1.6777216 GB/s.
-    assert bw.algbw_gbps(16_777_216, 0.01) == pytest.approx(1.6777216)
+    assert algbw_gbps(16_777_216, 0.01) == pytest.approx(1.6777216)
     # all_reduce at ws 4: times 2*3/4 = 1.5.
-    assert bw.busbw_gbps("all_reduce", 16_777_216, 0.01, 4) == pytest.approx(2.5165824)
+    assert busbw_gbps("all_reduce", 16_777_216, 0.01, 4) == pytest.approx(2.5165824)
     # all_gather at ws 8 of 1 GB in 0.5 s: 2 GB/s, times 7/8.
-    assert bw.busbw_gbps("all_gather", 10**9, 0.5, 8) == pytest.approx(1.75)
+    assert busbw_gbps("all_gather", 10**9, 0.5, 8) == pytest.approx(1.75)
     # broadcast: busbw is algbw.
-    assert bw.busbw_gbps("broadcast", 4096, 1e-6, 4) == pytest.approx(4.096)
+    assert busbw_gbps("broadcast", 4096, 1e-6, 4) == pytest.approx(4.096)
 
 
 @pytest.mark.parametrize("seconds", [0.0, -1.0])
 def test_bandwidth_needs_a_positive_time(seconds):
     with pytest.raises(ValueError, match="positive"):
-        bw.algbw_gbps(1024, seconds)
+        algbw_gbps(1024, seconds)
 
 
 def test_unknown_op_has_no_bus_factor():
     with pytest.raises(ValueError, match="unknown collective 'allreduce'"):
-        bw.bus_factor("allreduce", 2)
+        bus_factor("allreduce", 2)
 
 
 @pytest.mark.parametrize(
@@ -78,7 +93,7 @@ def test_unknown_op_has_no_bus_factor():
     ],
 )
 def test_parse_bytes_reads_binary_multiples(text, size):
-    assert bw.parse_bytes(text) == size
+    assert parse_bytes(text) == size
 
 
 @pytest.mark.parametrize(
@@ -95,18 +110,18 @@ def test_parse_bytes_reads_binary_multiples(text, size):
 )
 def test_parse_bytes_refuses(text, message):
     with pytest.raises(ValueError, match=message):
-        bw.parse_bytes(text)
+        parse_bytes(text)
 
 
 def test_format_bytes_is_exact():
-    assert bw.format_bytes(16) == "16 B"
-    assert bw.format_bytes(4096) == "4 KiB"
-    assert bw.format_bytes(1536) == "1536 B"
-    assert bw.format_bytes(16_777_216) == "16 MiB"
+    assert format_bytes(16) == "16 B"
+    assert format_bytes(4096) == "4 KiB"
+    assert format_bytes(1536) == "1536 B"
+    assert format_bytes(16_777_216) == "16 MiB"
 
 
 def test_size_ladder_includes_max_when_reached():
-    assert bw.size_ladder(16, 16 * 2**20, 4) == [
+    assert size_ladder(16, 16 * 2**20, 4) == [
         16,
         64,
         256,
@@ -119,14 +134,14 @@ def test_size_ladder_includes_max_when_reached():
         4194304,
         16777216,
     ]
-    assert bw.size_ladder(8, 16 * 2**20, 4)[-1] == 8 * 2**20  # 32 MiB would pass the max
-    assert bw.size_ladder(8, 8, 2) == [8]
+    assert size_ladder(8, 16 * 2**20, 4)[-1] == 8 * 2**20  # 32 MiB would pass the max
+    assert size_ladder(8, 8, 2) == [8]
 
 
 @pytest.mark.parametrize(("low", "high", "factor"), [(64, 8, 2), (0, 8, 2), (8, 64, 1)])
 def test_size_ladder_refuses(low, high, factor):
     with pytest.raises(ValueError):
-        bw.size_ladder(low, high, factor)
+        size_ladder(low, high, factor)
 
 
 @pytest.mark.parametrize(
@@ -148,11 +163,11 @@ def test_size_ladder_refuses(low, high, factor):
     ],
 )
 def test_layout(op, size, world_size, itemsize, expected):
-    assert bw.layout(op, size, world_size, itemsize) == expected
+    assert layout(op, size, world_size, itemsize) == expected
 
 
 def test_layouts_that_round_alike_are_measured_once():
-    shapes = bw.layouts_for("all_gather", [4, 8, 16, 64], 4, 4)
+    shapes = layouts_for("all_gather", [4, 8, 16, 64], 4, 4)
     assert [shape.size_bytes for shape in shapes] == [16, 64]
 
 
@@ -168,19 +183,19 @@ def test_layouts_that_round_alike_are_measured_once():
     ],
 )
 def test_choose_iters(max_iters, estimate, budget, expected):
-    assert bw.choose_iters(max_iters, estimate, budget) == expected
+    assert choose_iters(max_iters, estimate, budget) == expected
 
 
 def test_parse_world_sizes_and_ops():
-    assert bw.parse_world_sizes("2,4") == (2, 4)
-    assert bw.parse_world_sizes("4, 2,4") == (4, 2)
-    assert bw.parse_ops("all") == bw.DEFAULT_OPS
-    assert bw.parse_ops("broadcast,all_reduce,broadcast") == ("broadcast", "all_reduce")
+    assert parse_world_sizes("2,4") == (2, 4)
+    assert parse_world_sizes("4, 2,4") == (4, 2)
+    assert parse_ops("all") == DEFAULT_OPS
+    assert parse_ops("broadcast,all_reduce,broadcast") == ("broadcast", "all_reduce")
     for bad in ("1", "2,x", ""):
         with pytest.raises(ValueError):
-            bw.parse_world_sizes(bad)
+            parse_world_sizes(bad)
     with pytest.raises(ValueError, match="unknown collective 'allreduce'"):
-        bw.parse_ops("allreduce")
+        parse_ops("allreduce")
 
 
 def test_records_take_the_slowest_rank():
@@ -192,7 +207,7 @@ def test_records_take_the_slowest_rank():
         [{"size_bytes": 1_000_000, "iters": 7, "mean_s": 0.0015}],
         [{"size_bytes": 1_000_000, "iters": 7, "mean_s": 0.0005}],
     ]
-    (record,) = bw.make_records(target, "all_reduce", 4, shapes, "float32", 5, per_rank)
+    (record,) = make_records(target, "all_reduce", 4, shapes, "float32", 5, per_rank)
     assert record.time_us == pytest.approx(2000.0)
     assert record.algbw_gbps == pytest.approx(0.5)  # 1e6 B / 2 ms
     assert record.busbw_gbps == pytest.approx(0.75)  # times 2*3/4
@@ -215,7 +230,7 @@ def test_records_take_the_slowest_rank():
     ],
 )
 def test_usage_errors_exit_2_without_traceback(argv, message, capsys):
-    assert bw.main(argv) == 2
+    assert main(argv) == 2
     err = capsys.readouterr().err
     assert message in err
     assert "Traceback" not in err
@@ -248,7 +263,7 @@ def test_end_to_end(argv, backends, tmp_path, capsys):
     flight_before = os.environ.get("DISTCONFORM_COMM_FLIGHT")
     common = ["--world-sizes", "2", "--min-bytes", "16", "--max-bytes", "256"]
     common += ["--iters", "2", "--warmup", "1", "--json", str(out)]
-    assert bw.main(argv + common) == 0
+    assert main(argv + common) == 0
     assert os.environ.get("DISTCONFORM_COMM_FLIGHT") == flight_before
     document = json.loads(out.read_text())
     assert document["environment"]["backend"] == argv[-1]
@@ -257,7 +272,7 @@ def test_end_to_end(argv, backends, tmp_path, capsys):
     # 5 ops x 3 sizes (16, 64, 256 B) per backend.
     assert {r["backend"] for r in records} == backends
     assert len(records) == 15 * len(backends)
-    assert {r["op"] for r in records} == set(bw.DEFAULT_OPS)
+    assert {r["op"] for r in records} == set(DEFAULT_OPS)
     for record in records:
         assert record["world_size"] == 2
         assert record["size_bytes"] in (16, 64, 256)
