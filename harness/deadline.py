@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 
 from harness.config import DEFAULT_DEADLINE_S, ConfigError
+from harness.markers import deadline_of
 
 
 def pg_timeout_for(deadline: float) -> float:
@@ -59,7 +60,7 @@ def pytest_timeout_for(item: pytest.Item) -> float | None:
 
 def deadline_for(item: pytest.Item, default: float) -> float:
     marker = item.get_closest_marker("deadline")
-    return _positive(marker.args[0], "@pytest.mark.deadline") if marker else default
+    return deadline_of(marker) if marker else default
 
 
 def outer_limit_for(item: pytest.Item, item_started: float) -> float | None:

@@ -18,12 +18,12 @@ from harness.config import (
     DistSettings,
     check_device_type,
     check_launcher,
-    check_world_size,
     parse_memory_limit,
     parse_world_sizes,
     resolve_backend,
 )
 from harness.deadline import configured_deadline
+from harness.markers import check_markers, slow_world_sizes_of, world_sizes_of
 from harness.rank.context import RankContextPlaceholder
 from harness.session import (
     SETTINGS_KEY,
@@ -223,38 +223,6 @@ def pytest_report_header(config: pytest.Config) -> str | None:
     return header
 
 
-def world_sizes_of(marker: pytest.Mark) -> list[int]:
-    sizes = list(marker.args)
-    if len(sizes) == 1 and isinstance(sizes[0], list | tuple):
-        sizes = list(sizes[0])
-    if not sizes:
-        raise ConfigError("@pytest.mark.world_size needs at least one world size")
-    return [check_world_size(size) for size in sizes]
-
-
-def slow_world_sizes_of(marker: pytest.Mark, sizes: list[int]) -> frozenset[int]:
-    """The sizes of ``world_size(*sizes, slow=...)`` that only run with ``-m slow``."""
-    unknown = sorted(set(marker.kwargs) - {"slow"})
-    if unknown:
-        raise ConfigError(
-            f"@pytest.mark.world_size takes only the keyword slow=, got {', '.join(unknown)}"
-        )
-    slow = marker.kwargs.get("slow", ())
-    slow = [slow] if isinstance(slow, int) else list(slow)
-    slow = [check_world_size(size) for size in slow]
-    missing = [size for size in slow if size not in sizes]
-    if missing:
-        listed = ", ".join(str(size) for size in sizes)
-        wanted = ", ".join(str(size) for size in sorted(set(sizes) | set(missing)))
-        raise ConfigError(
-            f"@pytest.mark.world_size({listed}, slow=...): slow world size "
-            f"{', '.join(str(size) for size in missing)} is not one of the test's world sizes; "
-            f"list it among them too, e.g. @pytest.mark.world_size({wanted}, "
-            f"slow=({', '.join(str(size) for size in slow)},))"
-        )
-    return frozenset(slow)
-
-
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     marker = metafunc.definition.get_closest_marker("world_size")
     if marker is None:
@@ -262,8 +230,11 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     try:
         sizes = world_sizes_of(marker)
         slow = slow_world_sizes_of(marker, sizes)
+        check_markers(metafunc.definition)
     except ConfigError as exc:
-        raise pytest.UsageError(f"{metafunc.definition.nodeid}: {exc}") from None
+        # A collection error shows just this line (a UsageError here came wrapped in
+        # pluggy's traceback), and no test of the run starts.
+        raise pytest.Collector.CollectError(f"{metafunc.definition.nodeid}: {exc}") from None
     if WORLD_SIZE_PARAM not in metafunc.fixturenames:
         # The world size is a parameter of every marked test, requested or not.
         metafunc.fixturenames.append(WORLD_SIZE_PARAM)

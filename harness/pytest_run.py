@@ -16,9 +16,10 @@ import time
 import pytest
 
 from harness import summary
-from harness.config import ConfigError, DistSettings, device_count, parse_memory_limit
+from harness.config import ConfigError, DistSettings, device_count
 from harness.deadline import deadline_for, outer_limit_for
 from harness.launchers import build_task, pool_key, pool_manager
+from harness.markers import memory_limit_of, required_devices_of
 from harness.outcomes import Outcome, RunResult
 from harness.process.spawning import close_shared_zygote
 from harness.rank_warnings import filters_from_config, reemit
@@ -118,7 +119,7 @@ def check_resources(item: pytest.Item) -> None:
     needed = world_size_of(item) if device_type != "cpu" else 0
     marker = item.get_closest_marker("requires_devices")
     if marker is not None:
-        needed = max(needed, int(marker.args[0]))
+        needed = max(needed, required_devices_of(marker))
     available = device_count(device_type)
     if available is not None and available < needed:
         pytest.skip(f"needs {needed} {device_type} device(s), this machine has {available}")
@@ -129,7 +130,7 @@ def memory_limit_for(item: pytest.Item) -> int | None:
     if marker is None:
         return settings_of(item.config).memory_limit
     try:
-        return parse_memory_limit(marker.args[0], "@pytest.mark.memory_limit")
+        return memory_limit_of(marker)
     except ConfigError as exc:
         raise pytest.UsageError(f"{item.nodeid}: {exc}") from None
 
