@@ -87,15 +87,15 @@ class Entry:
 class Expectations:
     """Every entry of one file (or of several, see :func:`combine`), in file order."""
 
-    source: Path | None = None
     xfails: list[Entry] = field(default_factory=list)
     tolerances: list[Entry] = field(default_factory=list)
-    #: Every file read, ``source`` first (several when the backend's are combined in).
+    #: Every file read (several when the backend's are combined in), in order.
     sources: list[Path] = field(default_factory=list)
 
-    def __post_init__(self) -> None:
-        if self.source is not None and not self.sources:
-            self.sources = [self.source]
+    @property
+    def source(self) -> Path | None:
+        """The first file read, or None when none was."""
+        return self.sources[0] if self.sources else None
 
     @property
     def entries(self) -> list[Entry]:
@@ -116,7 +116,6 @@ def combine(*parts: Expectations) -> Expectations:
     then the backend's): the first matching xfail wins, the last matching tolerance."""
     sources = [path for part in parts for path in part.sources]
     return Expectations(
-        source=sources[0] if sources else None,
         xfails=[entry for part in parts for entry in part.xfails],
         tolerances=[entry for part in parts for entry in part.tolerances],
         sources=sources,
@@ -141,7 +140,7 @@ def load(path: str | Path) -> Expectations:
             f"expected [[xfail]] and [[tolerance]]"
         )
     lines = text.splitlines()
-    found = Expectations(source=path)
+    found = Expectations(sources=[path])
     for kind, target in (("xfail", found.xfails), ("tolerance", found.tolerances)):
         tables = data.get(kind, [])
         if not isinstance(tables, list):
