@@ -42,7 +42,8 @@ PLUGIN_NAME = "distconform-conformance-report"
 JUNIT_NAME = "conformance.junit.xml"
 TOLERANCE_KEY = pytest.StashKey[Tolerance]()
 DECLARATION_KEY = pytest.StashKey[BackendDeclaration]()
-BACKEND_EXPECTATIONS_DIR = Path(suites.__file__).parent / "backend" / "expectations"
+SUITES_DIR = Path(suites.__file__).resolve().parent
+BACKEND_EXPECTATIONS_DIR = SUITES_DIR / "backend" / "expectations"
 
 
 class StaleExpectationWarning(pytest.PytestWarning):
@@ -335,15 +336,16 @@ def _could_have_matched(entry: Entry, collected_files: set[str], config: pytest.
     """Whether an unused entry is worth a warning in this run.
 
     Running a subset of the suites must not flag entries for files that were simply not
-    collected; an entry whose file was collected, or names no file at all, is stale. A
-    bundled backend expectation is loaded into every session on that backend, the user's own
-    test directories included, so it is judged only where its file was collected.
+    collected; an entry whose file was collected, or names no file at all, is stale. A file
+    is looked for where the entry's expectations file means it: under the session's root,
+    or, for a bundled file (``suites/expectations``, ``suites/backend/expectations``, loaded
+    by default into sessions in the user's own directories too), in this project.
     """
     file_part = entry.file_part
-    if Path(entry.source).parent == BACKEND_EXPECTATIONS_DIR:
-        return file_part in collected_files
     if any(ch in file_part for ch in "*?["):
         return True
     if file_part in collected_files:
         return True
-    return not (config.rootpath / file_part).exists()
+    bundled = Path(entry.source).resolve().is_relative_to(SUITES_DIR)
+    root = SUITES_DIR.parent if bundled else config.rootpath
+    return not (root / file_part).exists()
