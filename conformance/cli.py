@@ -12,6 +12,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from harness import backend_plugins
+
 DEFAULT_OUT = "conformance-report"
 SUITES = ("fsdp", "backend")
 BACKEND_SUITE_DIR = "backend"
@@ -40,13 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--out", default=DEFAULT_OUT, help=f"report directory (default: {DEFAULT_OUT})"
     )
     parser.add_argument("--expectations", metavar="FILE", help="expectations file (TOML)")
-    parser.add_argument(
-        "--backend-plugin",
-        action="append",
-        default=[],
-        metavar="MODULE",
-        help="module that registers a c10d backend; imported in every rank (repeatable)",
-    )
+    backend_plugins.add_argument(parser)
     parser.add_argument(
         "--backend-declaration",
         metavar="FILE",

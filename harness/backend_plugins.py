@@ -10,11 +10,23 @@ started without the plug-in is never reused for a run that needs it.
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import os
 from collections.abc import Iterable
 
 ENV_VAR = "DISTCONFORM_BACKEND_PLUGINS"
+
+
+def add_argument(parser: argparse.ArgumentParser) -> None:
+    """``--backend-plugin MODULE`` (repeatable) for a ``python -m harness`` subcommand."""
+    parser.add_argument(
+        "--backend-plugin",
+        action="append",
+        default=[],
+        metavar="MODULE",
+        help="module that registers a c10d backend; imported in every rank (repeatable)",
+    )
 
 
 class BackendPluginError(ImportError):

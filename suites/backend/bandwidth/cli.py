@@ -13,6 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from harness import backend_plugins
 from suites.backend.bandwidth.arithmetic import (
     DEFAULT_OPS,
     DTYPE_SIZES,
@@ -104,13 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--backend", help="c10d backend to measure (default: the launcher's and device's)"
     )
-    parser.add_argument(
-        "--backend-plugin",
-        action="append",
-        default=[],
-        metavar="MODULE",
-        help="module that registers a c10d backend; imported in every rank (repeatable)",
-    )
+    backend_plugins.add_argument(parser)
     parser.add_argument(
         "--launcher", default="process", choices=("process", "thread"), help="default: process"
     )
