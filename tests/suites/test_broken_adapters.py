@@ -10,14 +10,9 @@ reference. ``test_post_optim_event`` needs device events and has no row on CPU.
 
 from __future__ import annotations
 
-import subprocess
-import sys
-import xml.etree.ElementTree as ET
-from pathlib import Path
-
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.suites.child_session import failure_text, run_one_item
 
 
 def row(module: str, item: str, adapter: str, complaint: str, *, fast: bool = False):
@@ -200,35 +195,12 @@ ROWS = [
 
 @pytest.mark.parametrize(("module", "item", "adapter", "complaint"), ROWS)
 def test_suite_fails_on_broken_adapter(tmp_path, module, item, adapter, complaint):
-    report = tmp_path / "report.xml"
     nodeid = f"suites/{module}.py::{item}"
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pytest",
-            nodeid,
-            "--impl",
-            f"tests.suites.broken:{adapter}",
-            "-m",
-            "slow or not slow",
-            "-p",
-            "no:cacheprovider",
-            f"--junitxml={report}",
-            "-q",
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
+    failures, output = run_one_item(
+        nodeid, ["--impl", f"tests.suites.broken:{adapter}"], tmp_path / "report.xml", 600
     )
-    output = result.stdout + result.stderr
-    assert report.exists(), f"no report from the child session:\n{output[-3000:]}"
-    cases = ET.parse(report).getroot().findall(".//testcase")
-    assert len(cases) == 1, f"{nodeid} selected {len(cases)} items:\n{output[-3000:]}"
-    failures = cases[0].findall("failure") + cases[0].findall("error")
     assert failures, f"{nodeid} did not fail on {adapter}:\n{output[-3000:]}"
-    message = " ".join((f.get("message") or "") + (f.text or "") for f in failures)
+    message = failure_text(failures)
     assert complaint in message, (
         f"{nodeid} failed on {adapter}, but not with {complaint!r}:\n{message[-3000:]}"
     )

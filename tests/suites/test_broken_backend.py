@@ -10,16 +10,13 @@ abort fail on gloo itself (``suites/backend/expectations/gloo.toml``).
 
 from __future__ import annotations
 
-import subprocess
-import sys
-import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
 
 from suites.backend.declaration import DECLARATIONS_DIR
+from tests.suites.child_session import failure_text, run_one_item
 
-ROOT = Path(__file__).resolve().parents[2]
 SUITE = "suites/backend"
 
 
@@ -112,25 +109,16 @@ def run_item(tmp_path: Path, backend: str, nodeid: str, *, claims: str = "") -> 
         gloo = gloo.split("[not_declared]")[0]
         gloo = gloo.replace("capabilities = [", f'capabilities = ["{claims}", ')
     declaration.write_text(gloo)
-    report = tmp_path / f"{backend}.xml"
-    command = [sys.executable, "-m", "pytest", nodeid, "--backend", backend]
+    options = ["--backend", backend, "--backend-declaration", str(declaration)]
     if backend != "gloo":
-        command += ["--backend-plugin", "tests.suites.broken_backend"]
-    command += ["--backend-declaration", str(declaration), "-m", "slow or not slow"]
-    command += ["-p", "no:cacheprovider", f"--junitxml={report}", "-q"]
-    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
-    output = result.stdout + result.stderr
-    assert report.exists(), f"no report from the child session:\n{output[-3000:]}"
-    cases = ET.parse(report).getroot().findall(".//testcase")
-    assert len(cases) == 1, f"{nodeid} selected {len(cases)} items:\n{output[-3000:]}"
-    assert not cases[0].findall("skipped"), f"{nodeid} was skipped on {backend}:\n{output[-3000:]}"
-    return cases[0].findall("failure") + cases[0].findall("error"), output
+        options += ["--backend-plugin", "tests.suites.broken_backend"]
+    return run_one_item(nodeid, options, tmp_path / f"{backend}.xml", 300)
 
 
 def assert_failed_with(failures: list, output: str, complaints: tuple[str, ...], what: str):
     """``what`` failed, with a message holding one of ``complaints``."""
     assert failures, f"{what} passed:\n{output[-3000:]}"
-    message = " ".join((f.get("message") or "") + (f.text or "") for f in failures)
+    message = failure_text(failures)
     assert any(complaint in message for complaint in complaints), (
         f"{what} failed, but with none of {complaints}:\n{message[-3000:]}"
     )
