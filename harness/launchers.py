@@ -12,10 +12,12 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from harness._pytest_private import AssertionSettings
 from harness.config import ConfigError, device_count
 from harness.deadline import pg_timeout_for
 from harness.leasing import LeasedPool
 from harness.pools import PoolKey, PoolManager, RankPool, env_fingerprint
+from harness.rewritten_imports import rewritten_modules
 from harness.task import RankTask, pack_call
 
 Echo = Callable[[str], None] | None
@@ -53,9 +55,11 @@ def build_task(
     memory_limit: int | None = None,
     warning_filters: tuple[tuple[str, bool], ...] = (),
     device_audit: bool = False,
+    assertions: AssertionSettings | None = None,
 ) -> RankTask:
     """``fn(*args, **kwargs)`` packed for the ranks; raises ``TaskPackingError`` when it
-    cannot travel (a local function, an argument that does not pickle)."""
+    cannot travel (a local function, an argument that does not pickle). With
+    ``assertions``, ranks rewrite the modules pytest rewrote here."""
     payload, modules = pack_call(fn, tuple(args), dict(kwargs or {}))
     return RankTask(
         test_id=test_id,
@@ -67,6 +71,8 @@ def build_task(
         memory_limit=memory_limit,
         warning_filters=warning_filters,
         device_audit=device_audit,
+        rewritten=rewritten_modules() if assertions is not None else (),
+        assertions=assertions,
     )
 
 

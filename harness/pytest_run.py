@@ -27,6 +27,7 @@ from harness.report import DistributedFailure
 from harness.session import (
     EXTERNAL_KEY,
     POOLS_KEY,
+    assertion_settings_of,
     external_world,
     pools_of,
     settings_of,
@@ -168,6 +169,7 @@ def run_item(item: pytest.Function) -> None:
             if settings.launcher != "thread"
             else (),
             device_audit=device_audit_for(item),
+            assertions=assertion_settings_of(item.config),
         )
     except TaskPackingError as exc:
         pytest.fail(str(exc), pytrace=False)

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 import pytest
 
+from harness._pytest_private import AssertionSettings, assertion_settings
 from harness.config import DistSettings
 
 if TYPE_CHECKING:
@@ -24,6 +25,7 @@ WORLD_SIZE_PARAM = "dist_world_size"
 SETTINGS_KEY = pytest.StashKey[DistSettings]()
 POOLS_KEY = pytest.StashKey["PoolManager"]()
 EXTERNAL_KEY = pytest.StashKey["ExternalWorld"]()
+ASSERTIONS_KEY = pytest.StashKey["AssertionSettings | None"]()
 
 
 def settings_of(config: pytest.Config) -> DistSettings:
@@ -45,6 +47,13 @@ def pools_of(config: pytest.Config) -> PoolManager | None:
 def external_world(config: pytest.Config) -> ExternalWorld | None:
     """The torchrun world this pytest process is a rank of, with ``--launcher external``."""
     return config.stash.get(EXTERNAL_KEY, None)
+
+
+def assertion_settings_of(config: pytest.Config) -> AssertionSettings | None:
+    """How ranks rewrite and explain asserts in this session (read once)."""
+    if ASSERTIONS_KEY not in config.stash:
+        config.stash[ASSERTIONS_KEY] = assertion_settings(config)
+    return config.stash[ASSERTIONS_KEY]
 
 
 def world_size_of(item: pytest.Item) -> int | None:

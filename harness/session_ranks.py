@@ -18,7 +18,7 @@ from harness.config import resolve_backend
 from harness.launchers import build_task, pool_key
 from harness.outcomes import Outcome
 from harness.report import DistributedFailure
-from harness.session import pools_of, settings_of
+from harness.session import assertion_settings_of, pools_of, settings_of
 
 
 def run_in_session(
@@ -60,6 +60,7 @@ def run_in_session(
         seed=settings.seed,
         deadline=deadline,
         device_audit=device_audit,
+        assertions=assertion_settings_of(config),
     )
     key = pool_key(
         launcher=launcher,

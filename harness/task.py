@@ -19,6 +19,10 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
+from harness import rewritten_imports
+from harness._pytest_private import AssertionSettings
+from harness.rewritten_imports import RewrittenModules
+
 MAIN_ALIAS = "__distconform_main__"
 
 
@@ -47,6 +51,10 @@ class RankTask:
     warning_filters: tuple[tuple[str, bool], ...] = ()
     # Fail device-less tensor factories in the test body (harness/rank/device_audit.py).
     device_audit: bool = False
+    # Modules pytest rewrote in the parent, rewritten again where a rank imports them, and
+    # how to explain a failed comparison; None under ``--assert=plain``.
+    rewritten: RewrittenModules = ()
+    assertions: AssertionSettings | None = None
 
 
 def pack_call(fn: Any, args: tuple, kwargs: dict[str, Any]) -> tuple[bytes, tuple[ModuleRef, ...]]:
@@ -116,12 +124,14 @@ def _module_refs(payload: bytes) -> tuple[ModuleRef, ...]:
 # --- rank side -----------------------------------------------------------------------
 
 
-def ensure_modules(refs: tuple[ModuleRef, ...], sys_path: tuple[str, ...]) -> None:
-    """Make every module the payload references importable under the parent's name."""
-    for entry in reversed(sys_path):
+def ensure_modules(task: RankTask) -> None:
+    """Make every module the payload references importable under the parent's name, with
+    pytest's assertion rewriting where the parent had it."""
+    rewritten_imports.prepare(task.rewritten, task.assertions)
+    for entry in reversed(task.sys_path):
         if entry not in sys.path:
             sys.path.insert(0, entry)
-    for ref in refs:
+    for ref in task.modules:
         if ref.name == "__main__":
             _load_from_file(MAIN_ALIAS, ref.path, is_package=False)
             continue
@@ -146,7 +156,9 @@ def _load_from_file(name: str, path: str | None, is_package: bool) -> None:
     if name in sys.modules or path is None:
         return
     locations = [os.path.dirname(path)] if is_package else None
-    spec = importlib.util.spec_from_file_location(name, path, submodule_search_locations=locations)
+    spec = rewritten_imports.rewriting_spec(name, path) or importlib.util.spec_from_file_location(
+        name, path, submodule_search_locations=locations
+    )
     if spec is None or spec.loader is None:
         raise ImportError(f"cannot load module {name!r} from {path}")
     module = importlib.util.module_from_spec(spec)

@@ -99,7 +99,7 @@ def run_task_in_process(task: RankTask, ctx: RankContext, trace_dir: str | None)
 
 
 def _call(task: RankTask, ctx: RankContext, result: RankResult) -> None:
-    ensure_modules(task.modules, task.sys_path)
+    ensure_modules(task)
     fn, args, kwargs = unpack_call(task.payload)
     args = tuple(_build_rank_locals(a, ctx) for a in args)
     kwargs = {k: _build_rank_locals(v, ctx) for k, v in kwargs.items()}

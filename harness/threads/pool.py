@@ -127,7 +127,7 @@ class ThreadPool:
         # An import error is not ours to report: every rank imports again in run_task
         # and reports it as its own failure, with its traceback.
         with contextlib.suppress(Exception):
-            ensure_modules(task.modules, task.sys_path)
+            ensure_modules(task)
         started = time.monotonic()
         recorders = _Recorders()
         run = self._runner.run(

@@ -1,0 +1,45 @@
+"""The audited private-pytest accessors work on the pinned pytest and say so loudly on
+any other version (ranks then fall back to plain assertion messages)."""
+
+from __future__ import annotations
+
+import pytest
+
+from harness import _pytest_private
+
+
+def test_the_installed_pytest_is_audited():
+    assert _pytest_private.audit_problem() is None, _pytest_private.audit_problem()
+
+
+@pytest.mark.parametrize("version", ["9.3.0", "8.4.2", "10.0.0rc1"])
+def test_an_unaudited_pytest_turns_rank_rewriting_off_and_says_why(
+    monkeypatch, pytestconfig, version
+):
+    monkeypatch.setattr(pytest, "__version__", version)
+    problem = _pytest_private.audit_problem()
+    assert problem is not None and version in problem and "AUDITED_PYTEST" in problem
+    assert _pytest_private.assertion_settings(pytestconfig) is None
+
+
+def test_this_module_was_rewritten_by_pytest_and_a_plain_one_was_not():
+    import json
+    import sys
+
+    assert _pytest_private.is_rewritten(sys.modules[__name__])
+    assert not _pytest_private.is_rewritten(json)
+
+
+def test_rewritten_code_explains_a_failed_comparison():
+    source = b"def check(a, b):\n    assert a == b\n"
+    namespace: dict = {}
+    exec(_pytest_private.rewritten_code(source, "/virtual/check.py"), namespace)
+    with pytest.raises(AssertionError) as excinfo:
+        namespace["check"](3, 4)
+    assert "assert 3 == 4" in str(excinfo.value)
+
+
+def test_assert_plain_leaves_ranks_unrewritten(pytester):
+    assert _pytest_private.assertion_settings(pytester.parseconfig("--assert=plain")) is None
+    settings = _pytest_private.assertion_settings(pytester.parseconfig("-vv"))
+    assert settings is not None and settings.verbosity == 2
