@@ -16,6 +16,8 @@ with the case table's profiles.
 
 from __future__ import annotations
 
+import os
+import tempfile
 import warnings
 from pathlib import Path
 from typing import Any
@@ -26,6 +28,7 @@ import suites
 from conformance import hookspecs
 from conformance import report as conformance_report
 from conformance.expectations import Entry, Expectations, ExpectationsError, combine, load
+from conformance.progress import RunTracker
 from conformance.tolerance import Tolerance
 from harness.session import settings_of, world_size_of
 from impl.api import ENV_VAR, Implementation, default_spec, load_implementation
@@ -76,6 +79,15 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         action="store_true",
         default=False,
         help="print the conformance table at the end (implied by --conformance-out)",
+    )
+    group.addoption(
+        "--conformance-progress",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="with --conformance-out or --conformance-table: every SECONDS, print tests done "
+        "of those selected, time elapsed and time left, and write the report so far (marked "
+        "unfinished) (default: 30; 0: never)",
     )
     group.addoption(
         "--expectations",
@@ -209,6 +221,36 @@ def default_expectations_path(spec: str) -> Path | None:
     return path if path.is_file() else None
 
 
+def check_named_implementation(config: pytest.Config) -> None:
+    """Load an implementation the run names (``--impl``, ``$DISTCONFORM_IMPL``) before any
+    test starts, so a misspelt spec is one error line, not an empty report."""
+    if not (config.getoption("impl") or os.environ.get(ENV_VAR)):
+        return
+    spec = selected_spec(config)
+    try:
+        load_implementation(spec)
+    except (ImportError, ValueError, TypeError) as error:
+        raise pytest.UsageError(f"--impl {spec}: {error}") from None
+
+
+def writable_directory(path: Path, option: str) -> Path:
+    """Create ``path`` and prove a file can be written there, before the run, not after."""
+    if path.exists() and not path.is_dir():
+        raise pytest.UsageError(
+            f"{option} {path} is a file, not a directory: name a directory for the report"
+        )
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".write-check-"):
+            pass
+    except OSError as exc:
+        raise pytest.UsageError(
+            f"{option} {path}: cannot write the report there ({exc.strerror or exc}); "
+            f"name a directory you can write to"
+        ) from None
+    return path
+
+
 class ConformancePlugin:
     def __init__(self, config: pytest.Config) -> None:
         self.config = config
@@ -217,7 +259,11 @@ class ConformancePlugin:
         path = Path(named) if named else default_expectations_path(self.spec)
         self.expectations = load(path) if path is not None else Expectations()
         out = config.getoption("conformance_out")
-        self.out_dir = Path(out) if out else None
+        self.out_dir = writable_directory(Path(out), "--conformance-out") if out else None
+        junit = getattr(config.option, "xmlpath", None)
+        if junit:
+            writable_directory(Path(junit).parent, "--junitxml")
+        check_named_implementation(config)
         self.reporting = self.out_dir is not None or config.getoption("conformance_table")
         self.recorder = conformance_report.Recorder(
             lambda nodeid: self.expectations.xfail_for(nodeid)
@@ -225,6 +271,9 @@ class ConformancePlugin:
         self.stale: list[Entry] = []
         self.profiles: list[Profile] = []
         self.report: conformance_report.ConformanceReport | None = None
+        self.tracker = RunTracker(config.getoption("conformance_progress"))
+        # A pytest-xdist worker: the controller sees every report, tracks and writes.
+        self.is_worker = hasattr(config, "workerinput")
 
     def pytest_configure(self, config: pytest.Config) -> None:
         if self.reporting:
@@ -238,21 +287,31 @@ class ConformancePlugin:
     @pytest.hookimpl(trylast=True)
     def pytest_sessionstart(self, session: pytest.Session) -> None:
         """Add the bundled expectations of the run's backend (the backend suite's known
-        differences), unless a file was named: a named file replaces every default.
+        differences), unless a file was named: a named file replaces every default; then
+        write a report marked unfinished.
 
         At session start, not at collection: a pytest-xdist controller collects nothing but
         reports the expectations applied, and the harness has resolved the backend by now.
+        A named declaration file is read here too, so that a bad one stops the run before
+        any test.
         """
-        if self.config.getoption("expectations"):
-            return
         try:
             backend = settings_of(self.config).backend
         except pytest.UsageError:
-            return  # the harness plugin is disabled: no backend, no backend suite
-        try:
-            self.expectations = combine(self.expectations, default_backend_expectations(backend))
-        except ExpectationsError as exc:
-            raise pytest.UsageError(f"distconform: {exc}") from None
+            backend = None  # the harness plugin is disabled: no backend, no backend suite
+        if backend is not None and self.config.getoption("backend_declaration"):
+            backend_declaration(self.config)
+        if backend is not None and not self.config.getoption("expectations"):
+            try:
+                self.expectations = combine(
+                    self.expectations, default_backend_expectations(backend)
+                )
+            except ExpectationsError as exc:
+                raise pytest.UsageError(f"distconform: {exc}") from None
+        if self.out_dir is not None and not self.is_worker:
+            # Replaces a previous run's report at once: a run that is killed never leaves
+            # an earlier, finished-looking one in its place.
+            self._write(self._build(self.tracker.running_state(0)))
 
     def pytest_distconform_reproducer_args(self, config: pytest.Config) -> list[str]:
         args: list[str] = []
@@ -304,23 +363,62 @@ class ConformancePlugin:
 
     # --- results -------------------------------------------------------------------------
 
+    @pytest.hookimpl(trylast=True)
+    def pytest_collection_finish(self, session: pytest.Session) -> None:
+        if not session.config.pluginmanager.has_plugin("dsession"):
+            self.tracker.tests_selected(len(session.items))
+
+    @pytest.hookimpl(optionalhook=True)
+    def pytest_xdist_node_collection_finished(self, node: Any, ids: list[str]) -> None:
+        # A pytest-xdist controller collects nothing itself: every worker collects it all.
+        self.tracker.tests_selected(len(ids))
+
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         self.recorder.add(report)
+        if report.when != "teardown" or self.is_worker or not self.reporting:
+            return
+        self.tracker.test_finished()
+        if self.tracker.due():
+            self._show_progress()
+            if self.out_dir is not None:
+                # So a run that is killed still leaves its results, marked unfinished.
+                self._write(self._build(self.tracker.running_state(self._cut_short())))
+
+    def pytest_keyboard_interrupt(self, excinfo: pytest.ExceptionInfo) -> None:
+        self.tracker.interrupted = f"interrupted ({excinfo.typename})"
 
     @pytest.hookimpl(trylast=True)
-    def pytest_sessionfinish(self, session: pytest.Session) -> None:
-        if not self.reporting or hasattr(self.config, "workerinput"):
-            return  # a pytest-xdist worker: the controller sees every report and writes
+    def pytest_sessionfinish(self, session: pytest.Session, exitstatus: int) -> None:
+        if not self.reporting or self.is_worker:
+            return
+        run = self.tracker.final_state(session, exitstatus, self._cut_short())
+        self.report = self._build(run)
+        if self.out_dir is not None:
+            self._write(self.report)
+        if exitstatus == pytest.ExitCode.USAGE_ERROR and not self.report.tests:
+            self.report = None  # the usage error is the message; an empty table is noise
+
+    def _cut_short(self) -> int:
+        return len(self.recorder.in_progress)
+
+    def _build(self, run: conformance_report.RunState) -> conformance_report.ConformanceReport:
         # From the reports, not the items: a pytest-xdist controller collects none.
         backend_cases = any(r.subject == BACKEND for r in self.recorder.results.values())
         declaration = backend_declaration(self.config).describe() if backend_cases else None
         environment = conformance_report.environment_of(
             self.config, self.spec, self.expectations, declaration
         )
-        self.report = self.recorder.build(environment, self.stale, self.profiles)
-        if self.out_dir is not None:
-            junit = getattr(self.config.option, "xmlpath", None)
-            self.report.write(self.out_dir, junit_path=junit)
+        return self.recorder.build(environment, self.stale, self.profiles, run)
+
+    def _write(self, report: conformance_report.ConformanceReport) -> None:
+        assert self.out_dir is not None
+        report.write(self.out_dir, junit_path=getattr(self.config.option, "xmlpath", None))
+
+    def _show_progress(self) -> None:
+        terminal = self.config.pluginmanager.get_plugin("terminalreporter")
+        if terminal is not None:
+            terminal.ensure_newline()
+            terminal.write_line(self.tracker.progress_line())
 
     def pytest_terminal_summary(self, terminalreporter) -> None:
         if self.report is None:

@@ -9,6 +9,8 @@ lives in :mod:`harness.session`. Nothing below imports this module.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import pytest
 
 from harness import backend_plugins, hookspecs, pytest_run, summary
@@ -31,6 +33,9 @@ from harness.session import (
     external_world,
     world_size_of,
 )
+
+if TYPE_CHECKING:
+    from harness.external import ExternalWorld
 
 _SLOW_MARKER = "slow: a long test (world_size(..., slow=...) marks its slow sizes with it)"
 
@@ -260,9 +265,29 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         size = world_size_of(item)
         (deselected if size is not None and size not in wanted else selected).append(item)
+    if deselected and not any(world_size_of(item) is not None for item in selected):
+        raise pytest.UsageError(_no_world_size_left(deselected, wanted, world))
     if deselected:
         config.hook.pytest_deselected(items=deselected)
         items[:] = selected
+
+
+def _no_world_size_left(
+    deselected: list[pytest.Item], wanted: tuple[int, ...], world: ExternalWorld | None
+) -> str:
+    existing = ", ".join(str(size) for size in sorted({world_size_of(i) for i in deselected}))
+    count = f"{len(deselected)} distributed test{'s' if len(deselected) != 1 else ''}"
+    if world is not None:
+        return (
+            f"this torchrun world has {world.world_size} ranks, but none of the {count} "
+            f"collected runs at that world size (they run at {existing}); start torchrun "
+            f"with one of those --nproc-per-node values"
+        )
+    asked = ",".join(str(size) for size in wanted)
+    return (
+        f"--world-sizes {asked} selects none of the {count} collected; their world sizes "
+        f"are {existing}"
+    )
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:

@@ -195,4 +195,10 @@ def _build(spec: str) -> Any:
         raise ValueError(
             f"implementation module {module_name!r} has no factory {factory_name!r}"
         ) from None
+    if not callable(factory):
+        raise TypeError(
+            f"{module_name}:{factory_name} is a {type(factory).__name__}, not a factory: the "
+            f"name after ':' must be a function (or class) that returns an "
+            f"impl.api.Implementation"
+        )
     return factory()
