@@ -53,7 +53,7 @@ from suites.cases import (
 )
 
 SCHEMA = "distconform-conformance"
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 STATUSES = ("PASS", "FAIL", "XFAIL", "XPASS", "UNSUPPORTED", "SKIP")
 APPLIED_STATUSES = ("PASS", "FAIL", "XFAIL", "XPASS")
 _MAX_DETAIL_CHARS = 4000
@@ -130,6 +130,9 @@ class Recorder:
 
     def __init__(self, expectation_of: Callable[[str], Entry | None] | None = None) -> None:
         self.results: dict[str, TestResult] = {}
+        # Tests set up but with no outcome yet (still running, or cut short by Ctrl-C or a
+        # crash), with their set-up time: they are not results.
+        self.in_progress: dict[str, float] = {}
         self._items: dict[str, tuple[str, int | None]] = {}
         self._expected: dict[str, Entry] = {}
         # For reports of items collected elsewhere (pytest-xdist workers): their entry.
@@ -144,6 +147,9 @@ class Recorder:
     def add(self, report: pytest.TestReport) -> None:
         if report.outcome not in ("passed", "failed", "skipped"):
             return  # e.g. "rerun": only the final attempt counts
+        if report.when == "setup" and report.passed:
+            self.in_progress[report.nodeid] = report.duration
+            return
         result = self.results.get(report.nodeid)
         if result is None:
             # Items collected elsewhere (pytest-xdist workers) are described from their id.
@@ -153,12 +159,10 @@ class Recorder:
             )
             result = self.results[report.nodeid] = TestResult(report.nodeid, feature, world_size)
         _read_case_properties(result, report)
-        result.duration_s += report.duration
+        result.duration_s += self.in_progress.pop(report.nodeid, 0.0) + report.duration
         if report.when == "teardown":
             if report.failed and result.status != "FAIL":
                 self._fail(result, report)
-            return
-        if report.when == "setup" and report.passed:
             return
         result.when = report.when
         entry = self._expected.get(report.nodeid)
@@ -195,8 +199,45 @@ class Recorder:
         environment: dict[str, Any],
         stale: list[Entry],
         profiles: Sequence[Profile] = (),
+        run: RunState | None = None,
     ) -> ConformanceReport:
-        return ConformanceReport(environment, list(self.results.values()), stale, list(profiles))
+        return ConformanceReport(
+            environment, list(self.results.values()), stale, list(profiles), run or RunState()
+        )
+
+
+@dataclass
+class RunState:
+    """Whether the figures cover the whole run, and if not, why they stop where they do."""
+
+    #: pytest's exit status by name (``OK``, ``TESTS_FAILED``, ``INTERRUPTED``...); None
+    #: while the run is still going (a report written during the run, or left by a killed one).
+    exit_status: str | None = "OK"
+    #: Why the run ended before its last test (``-x``, Ctrl-C, a broken pool, still running).
+    stopped_because: str | None = None
+    #: Tests selected to run (None when unknown).
+    tests_expected: int | None = None
+    #: Tests that started but never finished (interrupted in the middle).
+    tests_cut_short: int = 0
+
+    def complete(self, reported: int) -> bool:
+        return (
+            self.exit_status in ("OK", "TESTS_FAILED", "NO_TESTS_COLLECTED")
+            and self.stopped_because is None
+            and self.tests_cut_short == 0
+            and (self.tests_expected is None or reported >= self.tests_expected)
+        )
+
+    def incomplete_line(self, reported: int) -> str | None:
+        """The headline of a run whose figures do not cover every selected test."""
+        if self.complete(reported):
+            return None
+        why = self.stopped_because or f"pytest exited with {self.exit_status}"
+        of = f" of {self.tests_expected}" if self.tests_expected is not None else ""
+        return (
+            f"INCOMPLETE: {why}; {reported}{of} tests reported, and every figure below covers "
+            f"only those"
+        )
 
 
 def _read_case_properties(result: TestResult, report: pytest.TestReport) -> None:
@@ -373,6 +414,14 @@ class ConformanceReport:
     tests: list[TestResult]
     stale: list[Entry] = field(default_factory=list)
     profiles: list[Profile] = field(default_factory=list)
+    run: RunState = field(default_factory=RunState)
+
+    @property
+    def complete(self) -> bool:
+        return self.run.complete(len(self.tests))
+
+    def incomplete_line(self) -> str | None:
+        return self.run.incomplete_line(len(self.tests))
 
     def subjects(self) -> list[str]:
         """Whose cases this run holds: the implementation's, the backend's, or both."""
@@ -457,6 +506,11 @@ class ConformanceReport:
         return {
             "schema": SCHEMA,
             "schema_version": SCHEMA_VERSION,
+            "complete": self.complete,
+            "exit_status": self.run.exit_status,
+            "stopped_because": self.run.stopped_because,
+            "tests_expected": self.run.tests_expected,
+            "tests_cut_short": self.run.tests_cut_short,
             "environment": self.environment,
             "summary": {
                 "tests": len(self.tests),
@@ -599,9 +653,11 @@ class ConformanceReport:
     def to_markdown(self) -> str:
         percent = _percent_text(self.percent())
         headline = self.headline_lines(markdown=True)
+        incomplete = self.incomplete_line()
         lines = [
             f"# Conformance report: {self.title()}",
             "",
+            *([f"**{incomplete}**", ""] if incomplete else []),
             # "Run:" keeps the run's bullets from joining the profiles' list.
             *([*headline, "", "Run:", ""] if headline else []),
             *(f"- {line}" for line in self.header_lines()),
@@ -629,6 +685,7 @@ class ConformanceReport:
             f"((PASS + XPASS) / (PASS + XPASS + FAIL + XFAIL))"
             # The last line is the one people quote: it must not read as a clean bill.
             + "".join(f"; NOT CONFORMANT to {name}" for name in not_conformant),
+            *([incomplete] if (incomplete := self.incomplete_line()) else []),
         ]
 
     def write(self, out_dir: Path, junit_path: str | None = None) -> None:

@@ -3,12 +3,12 @@ real quick run on gloo whose report is about the backend only."""
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 from pathlib import Path
 
 from conformance.cli import pytest_args
+from tests.conformance.report_checks import check_report_dir
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -51,7 +51,7 @@ def test_a_quick_backend_run_reports_on_the_backend(tmp_path):
     )
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-3000:]
-    report = json.loads((out / "conformance.json").read_text())
+    report = check_report_dir(out)
     backend = report["environment"]["backend_declaration"]
     assert backend["name"] == "gloo"
     assert backend["declaration"].endswith("suites/backend/declarations/gloo.toml")

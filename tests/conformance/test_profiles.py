@@ -16,11 +16,13 @@ from conformance.report import (
     ConformanceReport,
     Profile,
     Recorder,
+    RunState,
     profiles_from_hook,
     profiles_of_test,
 )
 from impl.api import KNOWN_CAPABILITIES
 from suites.cases import IMPLEMENTATION, SUBJECT_PROPERTY, load_profiles, parse_profiles
+from tests.conformance.report_checks import check_markdown
 from tests.conformance.test_report_units import report
 from tests.suites.test_cases import collect
 
@@ -212,6 +214,7 @@ def test_a_missing_core_capability_withholds_the_percentage_and_is_named():
         ["prefetch"],
     )
     assert (core["cases"], core["applied"], core["pass_percent"]) == (3, 2, None)
+    check_markdown(built.to_markdown())
     markdown = built.to_markdown().splitlines()
     assert markdown[2].startswith("**NOT CONFORMANT to fsdp2-core**: acme does not declare")
 
@@ -281,10 +284,11 @@ def test_markdown_headings_after_a_list_start_a_new_block():
         report("a::unsupported", "setup", "skipped", UNSUPPORTED_HSDP),
         profiles=(),
     )
-    lines = built.to_markdown().splitlines()
-    for heading in ("FAIL — failed:", "UNSUPPORTED:"):
-        index = lines.index(heading)
-        assert lines[index - 1] == "", lines  # else CommonMark folds it into the list above
+    # Rendered, each section heading is its own paragraph, not the tail of the list above.
+    check_markdown(built.to_markdown())
+    incomplete = build(report("a::bad", "call", "failed", "boom"), profiles=())
+    incomplete.run = RunState(exit_status="INTERRUPTED", stopped_because="interrupted")
+    check_markdown(incomplete.to_markdown())
 
 
 # --- the hook, through the plugin ------------------------------------------------------------

@@ -15,7 +15,6 @@ skipped at collection).
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -23,6 +22,8 @@ import textwrap
 from pathlib import Path
 
 import pytest
+
+from tests.conformance.report_checks import check_report_dir
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -179,7 +180,7 @@ def vendor_run(tmp_path_factory) -> tuple[subprocess.CompletedProcess, dict, Pat
     )
     report_file = root / "report" / "conformance.json"
     assert report_file.exists(), done.stdout + done.stderr
-    return done, json.loads(report_file.read_text()), root
+    return done, check_report_dir(root / "report"), root
 
 
 def statuses(report: dict) -> dict[str, str]:
@@ -214,7 +215,7 @@ def test_every_test_gets_its_status(vendor_run):
 def test_the_report_names_the_vendor_implementation_and_backend(vendor_run):
     done, report, root = vendor_run
     env = report["environment"]
-    assert (report["schema"], report["schema_version"]) == ("distconform-conformance", 3)
+    assert (report["schema"], report["schema_version"]) == ("distconform-conformance", 4)
     assert env["implementation"]["name"] == "acme-fsdp"
     assert env["implementation"]["spec"] == "acme_fsdp:implementation"
     assert env["implementation"]["capabilities"] == [
