@@ -6,8 +6,8 @@ lock file per device in a directory shared by every process of this user on the
 machine. A lease is all-or-nothing; a pool that cannot get enough devices waits (with a
 deadline) instead of oversubscribing. The ranks then see only their leased devices
 through the device type's visibility variable (``CUDA_VISIBLE_DEVICES`` for CUDA), so
-rank ``r`` uses its local device ``r``. Locks vanish with the process holding them: a
-killed worker never leaves a device leased.
+rank ``r`` uses its local device ``r``. The locks are ``filelock``'s (``flock`` on POSIX),
+which vanish with the process holding them: a killed worker never leaves a device leased.
 
 ``DISTCONFORM_FAKE_DEVICE_COUNT`` replaces the real device count, so leasing can be
 tested on a machine without accelerators.
@@ -15,13 +15,13 @@ tested on a machine without accelerators.
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import os
 import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from filelock import FileLock, Timeout
 
 FAKE_COUNT_ENV = "DISTCONFORM_FAKE_DEVICE_COUNT"
 LEASE_DIR_ENV = "DISTCONFORM_LEASE_DIR"
@@ -41,7 +41,7 @@ class LeaseTimeout(RuntimeError):
 class DeviceLease:
     device_type: str
     indices: tuple[int, ...]
-    _handles: list = field(default_factory=list, repr=False)
+    _locks: list[FileLock] = field(default_factory=list, repr=False)
 
     def visibility_env(self) -> dict[str, str]:
         name = VISIBILITY_ENV.get(self.device_type)
@@ -50,11 +50,9 @@ class DeviceLease:
         return {name: ",".join(str(i) for i in self.indices)}
 
     def release(self) -> None:
-        for handle in self._handles:
-            with contextlib.suppress(OSError):
-                fcntl.flock(handle, fcntl.LOCK_UN)
-            handle.close()
-        self._handles.clear()
+        for lock in self._locks:
+            lock.release(force=True)
+        self._locks.clear()
 
 
 def lease_dir() -> Path:
@@ -91,13 +89,14 @@ def _try_lease(directory: Path, device_type: str, count: int, total: int) -> Dev
     lease = DeviceLease(device_type, ())
     taken: list[int] = []
     for index in range(total):
-        handle = open(directory / f"{device_type}-{index}.lock", "a+")  # noqa: SIM115
+        # A lock object per attempt, never shared: flock excludes other open files of the
+        # same path, so two pools of one process exclude each other too.
+        lock = FileLock(directory / f"{device_type}-{index}.lock", is_singleton=False)
         try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            handle.close()
+            lock.acquire(timeout=0)
+        except Timeout:
             continue
-        lease._handles.append(handle)
+        lease._locks.append(lock)
         taken.append(index)
         if len(taken) == count:
             lease.indices = tuple(taken)

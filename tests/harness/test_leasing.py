@@ -127,3 +127,14 @@ def test_the_resource_check_uses_the_fake_device_count(pytester, monkeypatch):
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-rs", "--device", "cuda")
     result.assert_outcomes(skipped=1)
     result.stdout.fnmatch_lines(["*needs 4 cuda device(s), this machine has 3*"])
+
+
+def test_two_pools_of_one_process_lease_disjoint_devices(lease_env):
+    # Both pools live in this process: the locks must exclude each other all the same.
+    first = lease_devices("cuda", 2, 3, timeout=1)
+    second = lease_devices("cuda", 1, 3, timeout=1)
+    assert set(first.indices).isdisjoint(second.indices)
+    with pytest.raises(LeaseTimeout):
+        lease_devices("cuda", 1, 3, timeout=0.2)
+    first.release()
+    assert lease_devices("cuda", 2, 3, timeout=1).indices == first.indices
