@@ -99,6 +99,9 @@ class RunResult:
     started_at: float
     finished_at: float
     harness_notes: list[str] = field(default_factory=list)
+    #: Set when no single rank can be blamed (ranks that share a process all died with
+    #: it): the report's headline, in place of "rank N crashed".
+    shared_crash: str | None = None
 
     @property
     def hygiene_violations(self) -> dict[int, list[str]]:

@@ -32,6 +32,8 @@ class DistributedFailure(AssertionError):
 
 
 def verdict_headline(run: RunResult) -> str:
+    if run.shared_crash is not None:
+        return run.shared_crash
     primary = run.primary_failure()
     if primary is not None:
         return f"rank {primary.rank} {primary.outcome.value}: {primary.summary()}"
@@ -76,7 +78,7 @@ def render_failure(run: RunResult, *, context: str, reproducer: str | None) -> s
     parts = [f"{verdict_headline(run)}    [{context}]"]
     primary = run.primary_failure()
     if primary is not None:
-        parts.append(_cause_text(primary))
+        parts.append(_cause_text(primary, shared=run.shared_crash is not None))
     for other in _other_primary_failures(run, primary):
         parts.append(f"rank {other.rank} also {other.outcome.value}:\n{_cause_text(other)}")
     parts.append(rank_table(run))
@@ -91,7 +93,12 @@ def render_failure(run: RunResult, *, context: str, reproducer: str | None) -> s
     return "\n\n".join(p.rstrip() for p in parts if p)
 
 
-def _cause_text(result: RankResult) -> str:
+def _cause_text(result: RankResult, shared: bool = False) -> str:
+    if shared:  # the process every rank shared died: nothing here is one rank's
+        text = f"the process of every rank {result.summary()}"
+        if result.stacks and result.stacks.strip():
+            text += f"\nfaulthandler output:\n{clean_stacks(result.stacks)}"
+        return text
     if result.outcome is Outcome.FAILED:
         return (result.traceback or f"{result.error_type}: {result.error_message}").rstrip()
     if result.outcome is Outcome.HUNG:

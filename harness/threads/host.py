@@ -20,6 +20,7 @@ from harness.outcomes import Outcome, RankResult, RunResult
 from harness.process.pool import ProcessPool, ProcessPoolSpec
 from harness.process.protocol import ThreadHostRun, WorkerSpec
 from harness.task import RankTask
+from harness.threads.host_exit import note_path, read_exit_note
 
 # Beyond the deadline the host's own runner reports a hung thread; this long again,
 # and the host process itself is considered stuck.
@@ -79,12 +80,40 @@ class ThreadHostPool(ProcessPool):
         return run
 
     def _host_died(self, task: RankTask, host, started: float, deadline: float) -> RunResult:
+        """Every rank died with the host: blame the rank that exited it, if one did."""
         crash = self._crash_result(host, started)
+        finished = time.monotonic()
+        exit_note = read_exit_note(note_path(host.stack_path))
+        if exit_note is not None:
+            culprit, status = exit_note
+            results = [
+                replace(
+                    crash,
+                    rank=rank,
+                    note=f"it called os._exit({status}), which ended the thread host process",
+                )
+                if rank == culprit
+                else RankResult(
+                    rank=rank,
+                    outcome=Outcome.ABORTED_BY_PEER,
+                    started_at=started,
+                    finished_at=finished,
+                    note=f"ended with the thread host process when rank {culprit} exited it",
+                )
+                for rank in range(self.spec.world_size)
+            ]
+            return RunResult(results, task.seed, deadline, started, finished)
         results = [
             replace(crash, rank=rank, note="the thread host process died")
             for rank in range(self.spec.world_size)
         ]
-        return RunResult(results, task.seed, deadline, started, time.monotonic())
+        run = RunResult(results, task.seed, deadline, started, finished)
+        run.shared_crash = (
+            f"the thread host process {crash.summary()}, ending all {self.spec.world_size} "
+            f"rank threads; which rank caused it is unknown (the ranks share the process; "
+            f"run with --launcher process to see the rank)"
+        )
+        return run
 
     def _host_stuck(self, task: RankTask, host, started: float, deadline: float) -> RunResult:
         stacks = self._dump_stacks([host]).get(0)

@@ -17,6 +17,7 @@ import torch
 from harness.outcomes import Outcome, RankResult, RunResult
 from harness.process.output import end_marker_line
 from harness.process.protocol import ThreadHostRun, WorkerSpec
+from harness.threads.host_exit import note_path, record_rank_exits
 from harness.threads.pool import ThreadPool
 
 
@@ -43,7 +44,9 @@ def serve_thread_host(spec: WorkerSpec) -> None:
     """The host process's loop: serve tasks until the parent says stop or goes away."""
     torch.set_num_threads(spec.threads)
     conn = Connection(spec.control_fd)
-    pool = ThreadPool(spec.world_size)
+    record_rank_exits(note_path(spec.stack_path))
+    # Temp files in the parent's pool directory: the parent removes it even after a crash.
+    pool = ThreadPool(spec.world_size, temp_root=os.path.dirname(spec.stack_path))
     pool.start()
     conn.send(("ready", os.getpid()))
     while True:

@@ -104,11 +104,14 @@ class ThreadPool:
 
     launcher = "thread"
 
-    def __init__(self, world_size: int) -> None:
+    def __init__(self, world_size: int, temp_root: str | None = None) -> None:
         self.world_size = world_size
         self.broken = False
         self._runner: ThreadRunner | None = None
         self._trace_dir: str | None = None
+        # Where the trace directory goes: in a thread host, the parent's pool directory,
+        # which the parent removes even when it had to kill the host.
+        self._temp_root = temp_root
 
     def start(self, timeout: float | None = None) -> None:
         """Start the rank threads; ``timeout`` is accepted for the RankPool interface
@@ -116,7 +119,7 @@ class ThreadPool:
         if self._runner is None:
             self._runner = ThreadRunner(self.world_size, capture_output=True)
         if self._trace_dir is None and flight.enabled():
-            self._trace_dir = tempfile.mkdtemp(prefix="distconform-threads-")  # mode 0700
+            self._trace_dir = tempfile.mkdtemp(prefix="distconform-threads-", dir=self._temp_root)
 
     def run(self, task: RankTask, deadline: float, peer_grace: float) -> RunResult:
         """Run ``task`` on every rank thread; ``peer_grace`` is moot: peers are released

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import signal
+import tempfile
+from pathlib import Path
+
 import psutil
 import pytest
 
 from harness import Outcome
 from harness.launchers import make_pool
 from harness.pools import PoolKey, PoolManager
+from harness.report import verdict_headline
 from tests.harness import rank_bodies
 from tests.harness.conftest import task_for
 
@@ -58,3 +63,37 @@ def test_an_error_in_one_rank_thread_fails_the_test_and_releases_the_others(thre
 def test_rank_threads_draw_from_their_own_generators(thread_pools):
     draws = run(thread_pools, rank_bodies.rng_state_digest).values
     assert len({value for value, _ in draws}) == 1  # same seed, isolated generators
+
+
+def test_a_rank_thread_that_exits_the_host_is_the_one_blamed(thread_pools):
+    result = run(thread_pools, rank_bodies.exit_on, 3, 7)
+    assert result.primary_failure() is result.results[3]
+    assert result.results[3].outcome is Outcome.CRASHED and result.results[3].exit_code == 7
+    assert "os._exit(7)" in result.results[3].note
+    assert all(r.outcome is Outcome.ABORTED_BY_PEER for r in result.results[:3])
+    assert verdict_headline(result).startswith("rank 3 crashed: exited with code 7")
+
+
+def test_a_host_killed_by_a_signal_blames_no_rank(thread_pools):
+    result = run(thread_pools, rank_bodies.signal_on, 2, signal.SIGKILL)
+    headline = verdict_headline(result)
+    assert headline.startswith("the thread host process killed by SIGKILL")
+    assert "which rank caused it is unknown" in headline
+    assert "rank 0" not in headline
+
+
+def test_the_parent_removes_the_host_temp_files_after_the_host_dies():
+    # The host's files live in its pool's directory, which the parent removes itself: a
+    # host that dies (or is killed) cannot clean up after itself.
+    def leftovers() -> set[str]:
+        return {p.name for p in Path(tempfile.gettempdir()).glob("distconform-*")}
+
+    before = leftovers()
+    manager = PoolManager(lambda key: make_pool(key, echo=None))
+    try:
+        assert not run(manager, rank_bodies.exit_on, 1, 3).ok
+        assert not run(manager, rank_bodies.raise_on, 1).ok
+        assert run(manager, rank_bodies.all_reduce_rank_sum).ok
+    finally:
+        manager.shutdown()
+    assert leftovers() - before == set()
