@@ -9,6 +9,8 @@ neither see the ranks nor clean them up).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import pytest
 
 from harness.config import DEFAULT_DEADLINE_S, ConfigError
@@ -63,8 +65,32 @@ def deadline_for(item: pytest.Item, default: float) -> float:
     return deadline_of(marker) if marker else default
 
 
-def outer_limit_for(item: pytest.Item, item_started: float) -> float | None:
-    """When (monotonic) the harness must have reported, so pytest-timeout never fires.
+@dataclass(frozen=True)
+class OuterLimit:
+    """A limit outside the harness (pytest-timeout's) that its report must beat."""
+
+    started_at: float  # time.monotonic() when pytest-timeout's clock started (setup)
+    timeout: float  # pytest-timeout's seconds for the test
+    kept_back: float  # seconds kept back from it for the report itself
+
+    @property
+    def ends_at(self) -> float:
+        """When the harness must have reported."""
+        return self.started_at + self.timeout - self.kept_back
+
+    def shortening_note(self, deadline: float, shortened_to: float, spent: float) -> str:
+        """Why the test had ``shortened_to`` seconds where it asked for ``deadline``."""
+        return (
+            f"the {deadline:g} s deadline was cut to {shortened_to:.1f} s to report before "
+            f"pytest-timeout's {self.timeout:g} s limit for this test (less {self.kept_back:.1f} s "
+            f"kept for the report, less {spent:.1f} s spent before the ranks started, pool "
+            f"start-up included): raise --timeout or the test's timeout marker to at least "
+            f"{deadline + self.kept_back + spent:.0f} s, or lower its deadline"
+        )
+
+
+def outer_limit_for(item: pytest.Item, item_started: float) -> OuterLimit | None:
+    """When the harness must have reported, so pytest-timeout never fires.
 
     pytest-timeout's clock starts with the test's setup; pool start-up counts too.
     """
@@ -72,4 +98,5 @@ def outer_limit_for(item: pytest.Item, item_started: float) -> float | None:
     if outer is None:
         return None
     margin = max(3.0, 0.1 * outer)
-    return item_started + (outer - margin if outer > margin else outer * 0.5)
+    kept_back = margin if outer > margin else outer * 0.5
+    return OuterLimit(started_at=item_started, timeout=outer, kept_back=kept_back)

@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 from typing import Protocol
 
 from harness.config import VOLATILE_ENV
-from harness.deadline import pg_timeout_for
+from harness.deadline import OuterLimit, pg_timeout_for
 from harness.outcomes import Outcome, RankResult, RunResult, demote_secondary_failures
 from harness.task import RankTask
 
@@ -98,16 +98,17 @@ class PoolManager:
         deadline: float,
         peer_grace: float,
         fresh: bool = False,
-        must_end_by: float | None = None,
+        must_end_by: OuterLimit | None = None,
     ) -> RunResult:
         """Run ``task`` on the pool for ``key``, starting one if needed.
 
-        ``must_end_by`` (a ``time.monotonic()`` value) is an outer limit, such as
-        pytest-timeout's: the time spent starting a pool is taken from the deadline
-        so the harness still reports before that limit.
+        ``must_end_by`` is an outer limit, such as pytest-timeout's: the time spent
+        starting a pool is taken from the deadline so the harness still reports before
+        that limit, and a note in the run says so.
         """
         started = time.monotonic()
-        start_budget = None if must_end_by is None else max(1.0, must_end_by - started)
+        ends_at = None if must_end_by is None else must_end_by.ends_at
+        start_budget = None if ends_at is None else max(1.0, ends_at - started)
         try:
             pool = self._acquire(key, start_budget)
         except PoolStartFailure as exc:
@@ -119,14 +120,27 @@ class PoolManager:
                 finished_at=time.monotonic(),
                 harness_notes=[str(exc)],
             )
-        if must_end_by is not None:
-            deadline = max(0.5, min(deadline, must_end_by - time.monotonic()))
+        shortened, asked = None, deadline
+        if must_end_by is not None and must_end_by.ends_at - time.monotonic() < deadline:
+            now = time.monotonic()
+            allowed = max(0.5, must_end_by.ends_at - now)
+            spent = now - must_end_by.started_at
+            shortened = must_end_by.shortening_note(deadline, allowed, spent)
+            deadline = allowed
             task = replace(task, pg_timeout=pg_timeout_for(deadline))
         try:
             run = pool.run(task, deadline, peer_grace)
         except BaseException:
             self._discard(key)
             raise
+        if shortened is not None and must_end_by is not None:
+            run.harness_notes.append(shortened)
+            for result in run.by_outcome(Outcome.HUNG):
+                # The headline quotes this note: it must not read as the test's own deadline.
+                result.note = (
+                    f"{result.note or 'hung'}, cut from {asked:g} s to fit pytest-timeout's "
+                    f"{must_end_by.timeout:g} s limit (see the note below)"
+                )
         if pool.broken or fresh:
             self._discard(key, recycled=pool.broken)
         demote_secondary_failures(run)

@@ -42,7 +42,19 @@ def test_the_harness_reports_before_pytest_timeout_with_either_method(pytester, 
     )
     result.assert_outcomes(failed=1, passed=1)
     text = result.stdout.str()
-    assert re.search(r"rank 1 hung: still running at the [0-9.]+ s deadline", text)
+    assert re.search(
+        r"rank 1 hung: still running at the [0-9.]+ s deadline, cut from 300 s to fit "
+        r"pytest-timeout's 12 s limit",
+        text,
+    )
+    # The note says why the deadline shrank and what to raise.
+    assert re.search(
+        r"the 300 s deadline was cut to [0-9.]+ s to report before pytest-timeout's 12 s limit "
+        r"for this test \(less 3.0 s kept for the report, less [0-9.]+ s spent before the ranks "
+        r"started, pool start-up included\): raise --timeout or the test's timeout marker to at "
+        r"least 30[0-9] s, or lower its deadline",
+        text,
+    )
     assert "Timeout" not in text
 
 
