@@ -10,6 +10,7 @@ Without paths it runs one bundled suite: ``--suite fsdp`` (the default: ``suites
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 from harness import backend_plugins
@@ -102,4 +103,12 @@ def _suites_dir() -> Path:
 def main(argv: list[str]) -> int:
     import pytest  # as in _suites_dir: --help answers before pytest and its plugins load
 
+    from conformance.report import writable_directory
+
+    options, _ = build_parser().parse_known_args(argv)
+    try:  # in the user's words (--out), before pytest and every test
+        writable_directory(Path(options.out), "--out")
+    except pytest.UsageError as exc:
+        print(f"ERROR: {exc}", file=sys.stderr)
+        return int(pytest.ExitCode.USAGE_ERROR)
     return int(pytest.main(pytest_args(argv)))

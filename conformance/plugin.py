@@ -17,7 +17,6 @@ with the case table's profiles.
 from __future__ import annotations
 
 import os
-import tempfile
 import warnings
 from pathlib import Path
 from typing import Any
@@ -29,6 +28,7 @@ from conformance import hookspecs
 from conformance import report as conformance_report
 from conformance.expectations import Entry, Expectations, ExpectationsError, combine, load
 from conformance.progress import RunTracker
+from conformance.report import writable_directory
 from conformance.tolerance import Tolerance
 from harness.session import settings_of, world_size_of
 from impl.api import ENV_VAR, Implementation, default_spec, load_implementation
@@ -231,24 +231,6 @@ def check_named_implementation(config: pytest.Config) -> None:
         load_implementation(spec)
     except (ImportError, ValueError, TypeError) as error:
         raise pytest.UsageError(f"--impl {spec}: {error}") from None
-
-
-def writable_directory(path: Path, option: str) -> Path:
-    """Create ``path`` and prove a file can be written there, before the run, not after."""
-    if path.exists() and not path.is_dir():
-        raise pytest.UsageError(
-            f"{option} {path} is a file, not a directory: name a directory for the report"
-        )
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=path, prefix=".write-check-"):
-            pass
-    except OSError as exc:
-        raise pytest.UsageError(
-            f"{option} {path}: cannot write the report there ({exc.strerror or exc}); "
-            f"name a directory you can write to"
-        ) from None
-    return path
 
 
 class ConformancePlugin:

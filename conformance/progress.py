@@ -15,8 +15,7 @@ import pytest
 from conformance.report import RunState
 
 STILL_RUNNING = (
-    "the run had not finished when this file was written (a run that was killed leaves "
-    "it so)"
+    "the run had not finished when this file was written (a run that was killed leaves it so)"
 )
 
 

@@ -31,6 +31,7 @@ import os
 import platform
 import re
 import sys
+import tempfile
 from collections import Counter, defaultdict
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import asdict, dataclass, field
@@ -694,6 +695,24 @@ class ConformanceReport:
         data["environment"]["junit_xml"] = junit_path
         (out_dir / "conformance.json").write_text(json.dumps(data, indent=2) + "\n")
         (out_dir / "conformance.md").write_text(self.to_markdown())
+
+
+def writable_directory(path: Path, option: str) -> Path:
+    """Create ``path`` and prove a file can be written there, before the run, not after."""
+    if path.exists() and not path.is_dir():
+        raise pytest.UsageError(
+            f"{option} {path} is a file, not a directory: name a directory for the report"
+        )
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".write-check-"):
+            pass
+    except OSError as exc:
+        raise pytest.UsageError(
+            f"{option} {path}: cannot write the report there ({exc.strerror or exc}); "
+            f"name a directory you can write to"
+        ) from None
+    return path
 
 
 def environment_of(

@@ -117,3 +117,14 @@ def test_a_bad_command_line_is_one_line_before_any_test(pytester, options, messa
     assert message in output
     assert "Traceback" not in output and "must not run" not in output
     assert "report written" not in output
+
+
+def test_the_cli_refuses_an_unwritable_out_in_its_own_words(tmp_path, capsys):
+    from conformance.cli import main
+
+    blocked = tmp_path / "afile"
+    blocked.write_text("")
+    assert main(["--out", str(blocked)]) == pytest.ExitCode.USAGE_ERROR
+    assert capsys.readouterr().err == (
+        f"ERROR: --out {blocked} is a file, not a directory: name a directory for the report\n"
+    )
