@@ -693,8 +693,16 @@ class ConformanceReport:
         out_dir.mkdir(parents=True, exist_ok=True)
         data = self.to_json()
         data["environment"]["junit_xml"] = junit_path
-        (out_dir / "conformance.json").write_text(json.dumps(data, indent=2) + "\n")
-        (out_dir / "conformance.md").write_text(self.to_markdown())
+        _replace_file(out_dir / "conformance.json", json.dumps(data, indent=2) + "\n")
+        _replace_file(out_dir / "conformance.md", self.to_markdown())
+
+
+def _replace_file(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` whole or not at all: the report is rewritten during the
+    run, and a run killed mid-write must leave the previous version, not half a file."""
+    partial = path.with_name(f".{path.name}.partial")
+    partial.write_text(text)
+    os.replace(partial, path)
 
 
 def writable_directory(path: Path, option: str) -> Path:
