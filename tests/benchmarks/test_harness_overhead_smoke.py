@@ -13,9 +13,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 BENCHMARK = Path(__file__).resolve().parents[2] / "benchmarks" / "harness_overhead.py"
 
 
+@pytest.mark.slow  # runs the benchmark end to end (15 s): nightly
 def test_benchmark_runs_and_reports_every_column(tmp_path: Path) -> None:
     out = tmp_path / "overhead.json"
     completed = subprocess.run(

@@ -14,6 +14,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from benchmarks import impl_step
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -50,6 +52,7 @@ def test_bootstrap_interval_brackets_the_median() -> None:
     assert impl_step.bootstrap_median_interval([2.0] * 7, resamples=100) == (2.0, 2.0)
 
 
+@pytest.mark.slow  # runs the benchmark end to end (11 s): nightly
 def test_benchmark_runs_and_reports_every_measurement(tmp_path: Path) -> None:
     out = tmp_path / "impl_step.json"
     completed = subprocess.run(

@@ -34,7 +34,8 @@ HANGING_MODULE = textwrap.dedent(
 )
 
 
-@pytest.mark.parametrize("method", ["signal", "thread"])
+# The thread method is the same check through another pytest-timeout path: nightly.
+@pytest.mark.parametrize("method", ["signal", pytest.param("thread", marks=pytest.mark.slow)])
 def test_the_harness_reports_before_pytest_timeout_with_either_method(pytester, method):
     pytester.makepyfile(test_hang=HANGING_MODULE)
     result = pytester.runpytest_subprocess(
@@ -58,6 +59,7 @@ def test_the_harness_reports_before_pytest_timeout_with_either_method(pytester, 
     assert "Timeout" not in text
 
 
+@pytest.mark.slow  # 20 s of four xdist workers starting pools; nightly
 def test_xdist_workers_run_process_pools_side_by_side(pytester):
     pytester.makepyfile(
         test_many="""

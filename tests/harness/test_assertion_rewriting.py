@@ -44,4 +44,3 @@ def test_rank_assertions_are_rewritten(project, options):
     assert "rank 1 failed: AssertionError: assert [1, 2, 3] == [1, 2, 4]" in output
     assert "At index 2 diff: 3 != 4" in output
     assert "rank 1 failed: AssertionError: assert 1 == 0" in output
-

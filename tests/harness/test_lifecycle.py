@@ -110,7 +110,16 @@ def test_a_session_leaves_no_descendant_process(tmp_path):
     assert _processes_tagged(tag) == []
 
 
-@pytest.mark.parametrize("mode", ["importlib", "append", "prepend"])
+# prepend (the default) runs by default; importlib is also covered by the assertion-
+# rewriting test of the thread launcher; both others run nightly.
+@pytest.mark.parametrize(
+    "mode",
+    [
+        pytest.param("importlib", marks=pytest.mark.slow),
+        pytest.param("append", marks=pytest.mark.slow),
+        "prepend",
+    ],
+)
 def test_test_modules_import_in_ranks_under_every_import_mode(pytester, mode):
     pytester.makeconftest(
         """
