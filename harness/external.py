@@ -1,21 +1,30 @@
-"""``--launcher external``: every rank is a pytest process started by torchrun.
+"""``--launcher external``: every rank is a pytest process started by torchrun or srun.
 
-torchrun (on one or several nodes) starts the ranks; each runs the same pytest
-command, so each collects the same items in the same order (checked at the start).
-The harness joins the world torchrun set up (env:// rendezvous), runs every marked
-test whose world size matches the torchrun world in-process, and exchanges the
-per-rank results through the rendezvous store: rank 0 gathers them, judges the test
-exactly as for the other launchers and publishes the verdict, so every rank reports
-the same outcome and rank 0's report carries every rank's story.
+torchrun (on one or several nodes) or Slurm's ``srun`` starts the ranks; each runs the
+same pytest command, so each collects the same items in the same order (checked at the
+start). The harness joins that world (the rendezvous store at ``MASTER_ADDR:MASTER_PORT``:
+torchrun's agent store, or one rank 0 hosts under Slurm), runs every marked test whose
+world size matches in-process, and exchanges the per-rank results through the store:
+rank 0 gathers them, judges the test exactly as for the other launchers and publishes the
+verdict, so every rank reports the same outcome and rank 0's report carries every rank's
+story.
 
-There is no parent that can kill a rank here. A rank still running at the deadline
-writes its own stacks (a watchdog thread) and the session stops after that test,
-because the world can no longer be trusted; a rank blocked in a collective waits for
-the process-group timeout, which the harness sets below the deadline.
+What happens on each failure kind (the README's external-launcher section says the same):
+
+- A rank whose test fails publishes that in the store at once and destroys its process
+  groups, which ends at once any collective a peer is blocked in with it (gloo sees the
+  connection close; a watcher on each peer also aborts its groups, which is how NCCL
+  peers are released). After any failed test every rank rebuilds the default group on a
+  new store prefix, and the session goes on with the next test.
+- A rank still running at the deadline publishes its stacks (a watchdog thread). There is
+  no parent to kill it: the session stops after that test with the report and a line
+  saying why, because that process cannot take part in the next one.
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import faulthandler
 import hashlib
 import os
@@ -23,53 +32,37 @@ import pickle
 import tempfile
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import replace
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
+from harness import _torch_private
 from harness.config import ConfigError
-from harness.outcomes import Outcome, RankResult, RunResult, demote_secondary_failures
+from harness.external_rank import ExternalRank
+from harness.external_report import report_file
+from harness.outcomes import (
+    CLEAN_OUTCOMES,
+    Outcome,
+    RankResult,
+    RunResult,
+    demote_secondary_failures,
+)
 from harness.rank import hygiene
 from harness.rank.context import RankContext
 from harness.rank.execute import run_task_in_process
 from harness.task import RankTask
 
-_REQUIRED_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 # How long rank 0 waits beyond the deadline for a rank's result (its watchdog writes
 # stacks at the deadline) before calling it hung.
 _REPORT_MARGIN_S = 5.0
 _STORE_PREFIX = "distconform"
 _SESSION_OVER_KEY = "session-over"
+# How often a rank running a test looks for a peer's failure in the store.
+_FAILURE_POLL_S = 0.1
 # Exit code of a rank that hung and ended itself once rank 0 had reported it.
 EXIT_HUNG = 71
-
-
-@dataclass(frozen=True)
-class ExternalRank:
-    rank: int
-    world_size: int
-    local_rank: int
-    master_addr: str
-    master_port: int
-
-    @classmethod
-    def from_environment(cls) -> ExternalRank:
-        missing = [name for name in _REQUIRED_ENV if name not in os.environ]
-        if missing:
-            raise ConfigError(
-                f"--launcher external joins a world started by torchrun, but "
-                f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not set; run "
-                f"`torchrun --nproc-per-node N -m pytest ... --launcher external`"
-            )
-        return cls(
-            rank=int(os.environ["RANK"]),
-            world_size=int(os.environ["WORLD_SIZE"]),
-            local_rank=int(os.environ.get("LOCAL_RANK", os.environ["RANK"])),
-            master_addr=os.environ["MASTER_ADDR"],
-            master_port=int(os.environ["MASTER_PORT"]),
-        )
 
 
 class ExternalWorld:
@@ -82,6 +75,7 @@ class ExternalWorld:
         self.join_timeout = join_timeout
         self.broken_reason: str | None = None
         self._sequence = 0
+        self._client: dist.Store | None = None
         self._store: dist.Store | None = None
         self._device = torch.device(device_type)
 
@@ -95,21 +89,32 @@ class ExternalWorld:
 
     def join(self) -> None:
         timeout = timedelta(seconds=self.join_timeout)
-        device_id = None
         if self.device_type != "cpu":
             torch.accelerator.set_device_index(self.me.local_rank)
             self._device = torch.device(self.device_type, self.me.local_rank)
-            device_id = self._device
-        if not dist.is_initialized():
-            dist.init_process_group(self.backend, timeout=timeout, device_id=device_id)
-        client = dist.TCPStore(
+        self._client = dist.TCPStore(
             self.me.master_addr,
             self.me.master_port,
             self.me.world_size,
-            is_master=False,
+            is_master=self.me.hosts_store,
             timeout=timeout,
         )
-        self._store = dist.PrefixStore(_STORE_PREFIX, client)
+        self._store = dist.PrefixStore(_STORE_PREFIX, self._client)
+        self._init_default_group(generation=0)
+
+    def _init_default_group(self, generation: int) -> None:
+        """The default group on its own store prefix: a rebuilt one never meets the keys of
+        the one before it."""
+        if dist.is_initialized():
+            return  # the user's own code (a conftest) initialised it: keep theirs
+        dist.init_process_group(
+            self.backend,
+            store=dist.PrefixStore(f"{_STORE_PREFIX}-world/{generation}", self._client),
+            rank=self.rank,
+            world_size=self.world_size,
+            timeout=timedelta(seconds=self.join_timeout),
+            device_id=self._device if self.device_type != "cpu" else None,
+        )
 
     def check_same_collection(self, nodeids: list[str]) -> None:
         """Every rank must run the same items in the same order, or collectives mismatch."""
@@ -139,30 +144,61 @@ class ExternalWorld:
         )
         started = time.monotonic()
         watchdog = _StackWatchdog(deadline, lambda stacks: self._give_up(sequence, stacks))
+        watch = _PeerFailureWatch(self._store, f"{sequence}/failed", _abort_groups)
         try:
             result = run_task_in_process(task, ctx, trace_dir=None)
+        except DeadlineInterrupt:  # landed in the harness's own code after the test body
+            result = RankResult(
+                rank=self.rank,
+                outcome=Outcome.HUNG,
+                started_at=started,
+                finished_at=time.monotonic(),
+            )
         finally:
-            watchdog.cancel()
+            watch.cancel()
+            watchdog.test_returned()
+        if watchdog.stacks is not None:
+            result = _came_back_hung(result, watchdog.stacks, deadline)
+        if result.outcome not in CLEAN_OUTCOMES:
+            # Tell the peers at once, and close every connection this rank has: a peer
+            # blocked in a collective with it fails now, not at the group's timeout.
+            self._store.set(f"{sequence}/failed", str(self.rank))
+            _release_peers()
         self._store.set(f"{sequence}/result/{self.rank}", pickle.dumps(result))
         if self.rank == 0:
             run = self._gather(sequence, task, started, deadline)
             self._store.set(f"{sequence}/verdict", pickle.dumps(run))
         else:
             run = self._await_verdict(sequence, deadline)
-        every_rank_returned = not run.by_outcome(Outcome.HUNG, Outcome.CRASHED)
-        if every_rank_returned and not run.hygiene_violations:
-            # Only now is it known that every rank is free to enter the barrier. A test
-            # that failed with every rank back is fine; a world that cannot pass a
-            # barrier is not.
-            broken = hygiene.check_default_group(min(30.0, deadline))
-            if broken:
-                run.harness_notes.extend(broken)
-                run.results[self.rank].hygiene.extend(broken)
-        if not every_rank_returned or run.hygiene_violations:
+        gone = [r.rank for r in run.results if _is_gone(r)]
+        if gone:
             self.broken_reason = (
-                f"{task.test_id} left the torchrun world in an unknown state; restart torchrun"
+                f"rank(s) {', '.join(map(str, gone))} of the {self.me.starter} world did not "
+                f"come back from {task.test_id} (blocked outside Python code, or dead): their "
+                f"processes cannot run another test, so the session stops here; run the rest "
+                f"with a new {self.me.starter} job"
             )
+        elif any(r.outcome not in CLEAN_OUTCOMES for r in run.results) or run.hygiene_violations:
+            self._rebuild(sequence, task.test_id, run, deadline)
         return run
+
+    def _rebuild(self, sequence: int, test_id: str, run: RunResult, deadline: float) -> None:
+        """After a failed (or untidy) test every rank starts the next one on a new default
+        group; the old one may be broken half-way through a collective."""
+        try:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+            _torch_private.forget_dtensor_caches(self.device_type)
+            self._init_default_group(generation=sequence)
+            broken = hygiene.check_default_group(min(30.0, deadline))
+        except Exception as exc:  # the world could not be rebuilt: nothing can run on it
+            broken = [f"the default group could not be rebuilt: {exc}"]
+        if broken:
+            run.harness_notes.extend(broken)
+            self.broken_reason = (
+                f"the torchrun world could not be rebuilt after {test_id} "
+                f"({'; '.join(broken)}); restart torchrun"
+            )
 
     def _gather(self, sequence: int, task: RankTask, started: float, deadline: float) -> RunResult:
         results: list[RankResult] = []
@@ -181,12 +217,20 @@ class ExternalWorld:
             deadline=deadline,
             started_at=started,
             finished_at=time.monotonic(),
-            harness_notes=[
-                "external launcher: each rank printed its own output to its torchrun console"
-            ],
+            harness_notes=[self._where_output_went()],
         )
         demote_secondary_failures(run)
         return run
+
+    def _where_output_went(self) -> str:
+        if self.world_size == 1:
+            return ""
+        others = report_file(replace(self.me, rank=1)).parent
+        ranks = "rank 1" if self.world_size == 2 else f"ranks 1 to {self.world_size - 1}"
+        return (
+            f"external launcher: the output of {ranks} is in their own pytest reports, "
+            f"{others}/rank<N>.txt (on their nodes)"
+        )
 
     def _missing_rank(self, sequence: int, rank: int, deadline: float) -> RankResult:
         stacks_key = f"{sequence}/stacks/{rank}"
@@ -216,35 +260,146 @@ class ExternalWorld:
         self._store.set(f"{sequence}/stacks/{self.rank}", stacks)
         try:
             self._store.wait([_SESSION_OVER_KEY], timedelta(seconds=self.join_timeout))
+            self._store.set(f"{_SESSION_OVER_KEY}-{self.rank}", "hung")
         finally:
             os._exit(EXIT_HUNG)
 
     def close(self) -> None:
         if self._store is not None:
             self._store.set(_SESSION_OVER_KEY, str(self.rank))
+            self._store.set(f"{_SESSION_OVER_KEY}-{self.rank}", "1")
         if dist.is_initialized() and self.broken_reason is None:
+            dist.destroy_process_group()
+        if self.rank == 0 and self._store is not None:
+            # Rank 0 ends last: under torchrun a rank that exits with failures gets the
+            # others killed (their report files cut short), and under srun rank 0's
+            # process serves the store. Bounded: a rank that never ends is not waited for.
+            with contextlib.suppress(Exception):
+                self._store.wait(
+                    [f"{_SESSION_OVER_KEY}-{r}" for r in range(self.world_size)],
+                    timedelta(seconds=30),
+                )
+
+
+def _came_back_hung(result: RankResult, stacks: str, deadline: float) -> RankResult:
+    """A test interrupted at its deadline is still a hang, with the stacks of that moment."""
+    result.outcome = Outcome.HUNG
+    result.stacks = stacks
+    result.error_type = result.error_message = result.traceback = None
+    result.note = (
+        f"still running at the {deadline:.1f} s deadline; interrupted there, so this rank "
+        f"goes on to the next test"
+    )
+    return result
+
+
+def _is_gone(result: RankResult) -> bool:
+    """A rank that sent no result (hung in C code, or dead) cannot run the next test."""
+    if result.outcome is Outcome.CRASHED:
+        return True
+    return result.outcome is Outcome.HUNG and result.finished_at is None
+
+
+def _release_peers() -> None:
+    """Destroy every process group of this rank: its peers' pending collectives with it fail
+    at once (gloo sees the connections close), instead of waiting for the timeout."""
+    with contextlib.suppress(Exception):
+        if dist.is_initialized():
             dist.destroy_process_group()
 
 
-class _StackWatchdog:
-    """Writes this rank's stacks if the test is still running at the deadline."""
+def _abort_groups() -> None:
+    """Abort this rank's groups from the watcher thread: NCCL ends the collective the main
+    thread is blocked in. gloo ignores abort; its peers are released by the failing rank
+    closing its connections (``_release_peers``)."""
+    if not dist.is_initialized():
+        return
+    for group in _torch_private.live_process_groups():
+        with contextlib.suppress(Exception):
+            group.abort()
 
-    def __init__(self, deadline: float, publish) -> None:
+
+class _PeerFailureWatch:
+    """While this rank runs a test, watch the store for a peer's failure and then abort."""
+
+    def __init__(self, store: dist.Store, key: str, abort) -> None:
+        self._store = store
+        self._key = key
+        self._abort = abort
         self._cancelled = threading.Event()
-        self._publish = publish
+        self.seen = False
+        self._thread = threading.Thread(
+            target=self._watch, name="distconform-peer-watch", daemon=True
+        )
+        self._thread.start()
+
+    def _watch(self) -> None:
+        while not self._cancelled.wait(_FAILURE_POLL_S):
+            try:
+                failed = self._store.check([self._key])
+            except Exception:  # the store is gone: the session is ending
+                return
+            if failed:
+                self.seen = True
+                if not self._cancelled.wait(1.0):  # gloo peers need no abort: see above
+                    self._abort()
+                return
+
+    def cancel(self) -> None:
+        self._cancelled.set()
+        self._thread.join(timeout=1.0)
+
+
+class DeadlineInterrupt(BaseException):
+    """Raised in a rank's test at its deadline, so the rank comes back for the next test."""
+
+
+# How long an interrupted test gets to come back before its rank counts as gone.
+_COME_BACK_S = 5.0
+
+
+def _raise_in_thread(thread_id: int, exc_type: type[BaseException]) -> None:
+    """Raise ``exc_type`` in another thread at its next Python instruction (CPython's
+    documented C API; code blocked inside a C call is not reached)."""
+    ctypes.pythonapi.PyThreadState_SetAsyncExc(
+        ctypes.c_ulong(thread_id), ctypes.py_object(exc_type)
+    )
+
+
+class _StackWatchdog:
+    """At the deadline: dump this rank's stacks, then interrupt the test in the main thread.
+
+    A test stuck in Python code comes back (``DeadlineInterrupt``) and its rank takes part
+    in the next test; one that is not back within ``_COME_BACK_S`` (blocked in C code) is
+    handed to ``on_gone``.
+    """
+
+    def __init__(self, deadline: float, on_gone) -> None:
+        self.stacks: str | None = None
+        self._main = threading.get_ident()
+        self._on_gone = on_gone
+        self._lock = threading.Lock()
+        self._returned = threading.Event()
         self._thread = threading.Thread(
             target=self._watch, args=(deadline,), name="distconform-watchdog", daemon=True
         )
         self._thread.start()
 
     def _watch(self, deadline: float) -> None:
-        if self._cancelled.wait(deadline):
+        if self._returned.wait(deadline):
             return
         with tempfile.TemporaryFile("w+") as handle:
             faulthandler.dump_traceback(file=handle, all_threads=True)
             handle.seek(0)
-            self._publish(handle.read())
+            self.stacks = handle.read()
+        with self._lock:  # never interrupt a test that has already returned
+            if self._returned.is_set():
+                return
+            _raise_in_thread(self._main, DeadlineInterrupt)
+        if not self._returned.wait(_COME_BACK_S):
+            self._on_gone(self.stacks)
 
-    def cancel(self) -> None:
-        self._cancelled.set()
+    def test_returned(self) -> None:
+        with self._lock:
+            self._returned.set()
         self._thread.join(timeout=1.0)

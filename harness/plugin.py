@@ -25,9 +25,12 @@ from harness.config import (
     resolve_backend,
 )
 from harness.deadline import configured_deadline
+from harness.external_rank import ExternalRank
+from harness.external_report import divert_unless_rank_0
 from harness.markers import check_markers, slow_world_sizes_of, world_sizes_of
 from harness.rank.context import RankContextPlaceholder
 from harness.session import (
+    DIVERSION_KEY,
     SETTINGS_KEY,
     WORLD_SIZE_PARAM,
     external_world,
@@ -157,6 +160,20 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 @pytest.hookimpl(tryfirst=True)
 def pytest_addhooks(pluginmanager: pytest.PytestPluginManager) -> None:
     pluginmanager.add_hookspecs(hookspecs)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_cmdline_main(config: pytest.Config) -> None:
+    """Under torchrun or srun, before pytest builds its terminal: only rank 0 prints the
+    report, every other rank's goes to a file (:mod:`harness.external_report`)."""
+    launcher = config.getoption("launcher") or config.getini("dist_launcher")
+    if launcher != "external" or hasattr(config, "workerinput"):
+        return
+    try:
+        me = ExternalRank.from_environment()
+    except ConfigError:
+        return  # reported, as a usage error, when the world is joined
+    config.stash[DIVERSION_KEY] = divert_unless_rank_0(config, me)
 
 
 def pytest_configure(config: pytest.Config) -> None:

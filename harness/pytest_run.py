@@ -244,7 +244,10 @@ def _joined_reasons(run: RunResult, outcome: Outcome) -> str:
 
 
 def reproducer(item: pytest.Item, settings: DistSettings) -> str:
-    if settings.launcher == "external":
+    world = external_world(item.config)
+    if world is not None and world.me.starter == "slurm":
+        runner = ["srun", "--ntasks", str(world_size_of(item)), "python"]
+    elif settings.launcher == "external":
         runner = ["torchrun", "--nproc-per-node", str(world_size_of(item))]
     else:
         runner = [sys.executable.rsplit("/", 1)[-1]]

@@ -14,6 +14,7 @@ import pytest
 
 from harness._pytest_private import AssertionSettings, assertion_settings
 from harness.config import DistSettings
+from harness.external_report import ReportDiversion
 
 if TYPE_CHECKING:
     from harness.external import ExternalWorld
@@ -26,6 +27,8 @@ SETTINGS_KEY = pytest.StashKey[DistSettings]()
 POOLS_KEY = pytest.StashKey["PoolManager"]()
 EXTERNAL_KEY = pytest.StashKey["ExternalWorld"]()
 ASSERTIONS_KEY = pytest.StashKey["AssertionSettings | None"]()
+# Set under torchrun/srun on every rank but 0: its report goes to a file.
+DIVERSION_KEY = pytest.StashKey[ReportDiversion | None]()
 
 
 def settings_of(config: pytest.Config) -> DistSettings:
@@ -54,6 +57,11 @@ def assertion_settings_of(config: pytest.Config) -> AssertionSettings | None:
     if ASSERTIONS_KEY not in config.stash:
         config.stash[ASSERTIONS_KEY] = assertion_settings(config)
     return config.stash[ASSERTIONS_KEY]
+
+
+def prints_the_report(config: pytest.Config) -> bool:
+    """False on a torchrun or srun rank other than 0: rank 0 reports for the world."""
+    return config.stash.get(DIVERSION_KEY, None) is None
 
 
 def world_size_of(item: pytest.Item) -> int | None:
