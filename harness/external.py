@@ -196,8 +196,8 @@ class ExternalWorld:
         if broken:
             run.harness_notes.extend(broken)
             self.broken_reason = (
-                f"the torchrun world could not be rebuilt after {test_id} "
-                f"({'; '.join(broken)}); restart torchrun"
+                f"the {self.me.starter} world could not be rebuilt after {test_id} "
+                f"({'; '.join(broken)}); start a new {self.me.starter} job"
             )
 
     def _gather(self, sequence: int, task: RankTask, started: float, deadline: float) -> RunResult:

@@ -241,7 +241,7 @@ def pytest_report_header(config: pytest.Config) -> str | None:
     )
     world = external_world(config)
     if world is not None:
-        header += f", rank {world.rank} of a torchrun world of {world.world_size}"
+        header += f", rank {world.rank} of a {world.me.starter} world of {world.world_size}"
     return header
 
 
@@ -296,7 +296,7 @@ def _no_world_size_left(
     count = f"{len(deselected)} distributed test{'s' if len(deselected) != 1 else ''}"
     if world is not None:
         return (
-            f"this torchrun world has {world.world_size} ranks, but none of the {count} "
+            f"this {world.me.starter} world has {world.world_size} ranks, but none of the {count} "
             f"collected runs at that world size (they run at {existing}); start torchrun "
             f"with one of those --nproc-per-node values"
         )
