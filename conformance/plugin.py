@@ -30,7 +30,7 @@ from conformance.expectations import Entry, Expectations, ExpectationsError, com
 from conformance.progress import RunTracker
 from conformance.report import writable_directory
 from conformance.tolerance import Tolerance
-from harness.session import settings_of, world_size_of
+from harness.session import prints_the_report, settings_of, world_size_of
 from impl.api import ENV_VAR, Implementation, default_spec, load_implementation
 from suites.backend.declaration import BackendDeclaration, DeclarationError, load_declaration
 from suites.cases import (
@@ -240,13 +240,17 @@ class ConformancePlugin:
         named = config.getoption("expectations")
         path = Path(named) if named else default_expectations_path(self.spec)
         self.expectations = load(path) if path is not None else Expectations()
-        out = config.getoption("conformance_out")
+        # Under torchrun or srun every rank runs the session; rank 0 writes the report.
+        rank_0 = prints_the_report(config)
+        out = config.getoption("conformance_out") if rank_0 else None
         self.out_dir = writable_directory(Path(out), "--conformance-out") if out else None
         junit = getattr(config.option, "xmlpath", None)
         if junit:
             writable_directory(Path(junit).parent, "--junitxml")
         check_named_implementation(config)
-        self.reporting = self.out_dir is not None or config.getoption("conformance_table")
+        self.reporting = self.out_dir is not None or (
+            rank_0 and config.getoption("conformance_table")
+        )
         self.recorder = conformance_report.Recorder(
             lambda nodeid: self.expectations.xfail_for(nodeid)
         )
