@@ -30,6 +30,38 @@ PRIMARY_FAILURES = frozenset({Outcome.FAILED, Outcome.CRASHED, Outcome.HUNG})
 BAD_OUTCOMES = PRIMARY_FAILURES | {Outcome.ABORTED_BY_PEER, Outcome.NOT_STARTED}
 
 
+@dataclass(frozen=True)
+class GroupLedger:
+    """One rank's calls on the default group during a test: collectives, and point-to-point
+    messages per peer (global ranks)."""
+
+    collectives: int
+    sent: tuple[tuple[int, int], ...] = ()  # (peer, count)
+    received: tuple[tuple[int, int], ...] = ()
+
+
+def unbalanced_ledgers(ledgers: dict[int, GroupLedger]) -> list[str]:
+    """Why these ranks' calls on the default group do not match; empty when they do."""
+    problems = []
+    collectives = {rank: ledger.collectives for rank, ledger in ledgers.items()}
+    if len(set(collectives.values())) > 1:
+        counts = ", ".join(f"rank {r}: {n}" for r, n in sorted(collectives.items()))
+        problems.append(
+            f"the ranks issued different numbers of collectives on the default process group "
+            f"({counts}): a collective was left unmatched"
+        )
+    sent = {(rank, peer): n for rank, ledger in ledgers.items() for peer, n in ledger.sent}
+    received = {(peer, rank): n for rank, ledger in ledgers.items() for peer, n in ledger.received}
+    for src, dst in sorted(set(sent) | set(received)):
+        if sent.get((src, dst), 0) != received.get((src, dst), 0):
+            problems.append(
+                f"rank {src} sent {sent.get((src, dst), 0)} message(s) to rank {dst}, which "
+                f"received {received.get((src, dst), 0)} on the default process group: a "
+                f"point-to-point call was left unmatched"
+            )
+    return problems
+
+
 @dataclass
 class RankResult:
     """One rank's account of one test. Times are ``time.monotonic()`` (system-wide on Linux)."""
@@ -50,6 +82,11 @@ class RankResult:
     comm_error: bool = False
     note: str | None = None
     hygiene: list[str] = field(default_factory=list)
+    #: What this rank issued on the default group during the test, as the flight recorder
+    #: counted it; None when it could not tell (recorder off, a receive from any source).
+    #: Ledgers that balance across the ranks stand in for the between-tests barrier
+    #: (harness/process/pool.py).
+    ledger: GroupLedger | None = None
     warnings: list = field(default_factory=list)
     #: The exception itself, for callers in the rank's own process (thread ranks); it
     #: never crosses a process boundary, where only its type, message and traceback go.
@@ -82,6 +119,16 @@ class RankResult:
         if self.note:
             text = f"{text} ({self.note})" if text else self.note
         return text
+
+
+def needs_barrier(result: RankResult) -> bool:
+    """Whether a rank proves its default group with a barrier after this test.
+
+    Only after a clean test (after any other the pool is recycled), and only when the
+    flight recorder could not count the rank's default-group collectives: equal counts
+    on every rank show the group is in step without a collective of its own.
+    """
+    return result.outcome in CLEAN_OUTCOMES and not result.hygiene and result.ledger is None
 
 
 def first_line(text: str | None, limit: int = 160) -> str:

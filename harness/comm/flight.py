@@ -20,14 +20,22 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from harness.comm.divergence import find_divergence
 from harness.comm.intercept import Interceptor, Proceed
-from harness.comm.records import CollectiveCall, RawCall
+from harness.comm.records import (
+    POINT_TO_POINT,
+    SEND,
+    CollectiveCall,
+    RawCall,
+    default_group_name,
+)
 from harness.comm.tracer import CallNumbering
+from harness.outcomes import GroupLedger
 
 FLIGHT_ENV = "DISTCONFORM_COMM_FLIGHT"
 RING_HALF = 2000
@@ -62,12 +70,29 @@ class FlightRecorder(Interceptor):
         self._fd = -1
         self._part = 0
         self._in_part = 0
+        self._default_group: str | None = None
+        self._collectives = 0
+        self._sent: Counter[int] = Counter()
+        self._received: Counter[int] = Counter()
+        self._any_source = False
+
+    def ledger(self) -> GroupLedger | None:
+        """This rank's calls on the default group so far; None after a receive from any
+        source, which no other rank's ledger can be matched against."""
+        if self._any_source:
+            return None
+        return GroupLedger(
+            self._collectives,
+            tuple(sorted(self._sent.items())),
+            tuple(sorted(self._received.items())),
+        )
 
     def __enter__(self) -> FlightRecorder:
         for path in self._paths:  # the previous task's calls are not this task's
             with contextlib.suppress(OSError):
                 path.unlink()
         self._open_part(0)
+        self._default_group = default_group_name()
         super().__enter__()
         return self
 
@@ -100,7 +125,19 @@ class FlightRecorder(Interceptor):
             self._open_part(1 - self._part)
         os.write(self._fd, (json.dumps(call.to_json()) + "\n").encode())
         self._in_part += 1
+        if call.group_name == self._default_group:
+            self._count(call)
         return proceed()
+
+    def _count(self, call: CollectiveCall) -> None:
+        if call.kind not in POINT_TO_POINT:
+            self._collectives += 1
+        elif call.peer is None:
+            self._any_source = True
+        elif call.kind == SEND:
+            self._sent[call.peer] += 1
+        else:
+            self._received[call.peer] += 1
 
 
 def recording(directory: str | os.PathLike[str] | None, rank: int, task_id: int) -> Any:

@@ -26,7 +26,14 @@ from pathlib import Path
 import torch.distributed as dist
 
 from harness.comm import flight as comm_flight
-from harness.outcomes import CLEAN_OUTCOMES, Outcome, RankResult, RunResult
+from harness.outcomes import (
+    CLEAN_OUTCOMES,
+    Outcome,
+    RankResult,
+    RunResult,
+    needs_barrier,
+    unbalanced_ledgers,
+)
 from harness.pools import PoolStartFailure
 from harness.process.output import RankOutput
 from harness.process.protocol import BETWEEN_TESTS_TIMEOUT_S, EXIT_PARENT_GONE, WorkerSpec
@@ -318,7 +325,29 @@ class ProcessPool:
         )
 
     def _collect_between_tests_checks(self, results: dict[int, RankResult], timeout: float) -> None:
-        """Each rank ends a clean test with a barrier on the default group and reports it."""
+        """After a clean test the default group must be in step for the next one.
+
+        Equal counts of default-group collectives on every rank show it without a
+        collective; ranks that could not count (``needs_barrier``) end the test with a
+        barrier on the group and report it.
+        """
+        barrier = {rank.rank: needs_barrier(results[rank.rank]) for rank in self._ranks}
+        if not any(barrier.values()):
+            problems = unbalanced_ledgers({rank: r.ledger for rank, r in results.items()})
+        elif not all(barrier.values()):
+            # Some ranks are in a barrier the others will never enter: only a new pool is
+            # clean, so nothing is read from them.
+            problems = [
+                "some ranks received from any source (their calls cannot be matched) and "
+                "the others did not; the default process group is checked with a new pool"
+            ]
+        else:
+            problems = None
+        if problems is not None:
+            for result in results.values():
+                result.hygiene.extend(problems)
+            self.broken = self.broken or bool(problems)
+            return
         end = time.monotonic() + timeout + _OUTPUT_SETTLE_S
         pending = {r.conn: r for r in self._ranks}
         while pending and time.monotonic() < end:

@@ -119,7 +119,7 @@ def serve(spec: WorkerSpec) -> None:
     # torch and what imports it only once serving: see the module docstring.
     import torch
 
-    from harness.outcomes import CLEAN_OUTCOMES
+    from harness.outcomes import needs_barrier
     from harness.process.output import end_marker_line
     from harness.rank import hygiene
     from harness.rank.execute import run_task_in_process
@@ -142,7 +142,7 @@ def serve(spec: WorkerSpec) -> None:
         sys.stderr.flush()
         os.write(1, end_marker_line(task.task_id))
         _send_result(conn, result)
-        if result.outcome in CLEAN_OUTCOMES and not result.hygiene:
+        if needs_barrier(result):
             # The result is already with the parent; now prove the default group still
             # works for the next test. A rank whose peer failed would wait here in
             # vain, but then the parent recycles the pool without reading this.

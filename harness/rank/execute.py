@@ -87,9 +87,11 @@ def run_task_in_process(task: RankTask, ctx: RankContext, trace_dir: str | None)
     before = hygiene.take_snapshot()
     with (
         limited_memory(task.memory_limit),
-        flight.recording(trace_dir, ctx.rank, task.task_id),
+        flight.recording(trace_dir, ctx.rank, task.task_id) as recorder,
     ):
         result = run_task(task, ctx)
+    if recorder is not None:
+        result.ledger = recorder.ledger()
     if task.memory_limit and looks_like_out_of_memory(result.error_type, result.error_message):
         result.note = (
             f"rank {result.rank} exceeded its memory limit of {format_size(task.memory_limit)}"

@@ -137,3 +137,18 @@ def fsdp_resharded_to_two_then_gathered() -> tuple[list[str], float]:
     full = model.weight.full_tensor()
     assert abs(full.sum().item() - expected) < 1e-5, (full.sum().item(), expected)
     return [mesh.get_group(dim).group_name for dim in range(mesh.ndim)], full.sum().item()
+
+
+def leave_an_unmatched_send() -> None:
+    if dist.get_rank() == 0:
+        dist.isend(torch.ones(1), dst=1)
+
+
+def send_and_receive() -> float:
+    """A matched point-to-point exchange: the pool must stay warm after it."""
+    value = torch.full((1,), float(dist.get_rank()))
+    if dist.get_rank() == 0:
+        dist.send(value, dst=1)
+    elif dist.get_rank() == 1:
+        dist.recv(value, src=0)
+    return value.item()

@@ -43,10 +43,11 @@ def test_creating_a_2d_mesh_is_not_a_leak(pools):
     [
         (rank_bodies.leak_a_thread, "thread 'leaky' started by the test is still running"),
         (rank_bodies.leak_an_env_var, "environment variable DISTCONFORM_LEAKED changed"),
-        (rank_bodies.leave_an_unmatched_collective, "default process group"),
+        (rank_bodies.leave_an_unmatched_collective, "default process group (rank 0: 1"),
+        (rank_bodies.leave_an_unmatched_send, "rank 0 sent 1 message(s) to rank 1"),
         (rank_bodies.leak_a_torch_global, "torch default dtype changed"),
     ],
-    ids=["thread", "env", "unmatched-collective", "torch-global"],
+    ids=["thread", "env", "unmatched-collective", "unmatched-send", "torch-global"],
 )
 def test_a_leak_recycles_the_pool_and_the_next_test_is_clean(pools, leak, expected):
     leaked = run(pools, leak)
@@ -108,4 +109,14 @@ def test_torch_fsdp_resharding_to_a_sub_mesh_passes_twice_on_one_pool(pools):
         assert not set(names_before) & set(names_after), (names_before, names_after)
         assert total_before == total_after
     assert first.hygiene_violations == second.hygiene_violations == {}
+    assert pools.spawn_count == 1 and pools.recycle_count == 0
+
+
+def test_balanced_collectives_and_matched_sends_keep_the_pool_warm(pools):
+    # Equal default-group counts skip the between-tests barrier; point-to-point calls,
+    # which need not balance per rank, still get it: neither recycles the pool.
+    assert run(pools, rank_bodies.all_reduce_rank_sum).ok
+    exchanged = run(pools, rank_bodies.send_and_receive)
+    assert exchanged.ok and exchanged.values[:2] == [0.0, 0.0]
+    assert run(pools, rank_bodies.all_reduce_rank_sum).ok
     assert pools.spawn_count == 1 and pools.recycle_count == 0
