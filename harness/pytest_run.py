@@ -21,7 +21,7 @@ from harness.deadline import deadline_for, outer_limit_for
 from harness.launchers import build_task, pool_key, pool_manager
 from harness.markers import memory_limit_of, required_devices_of
 from harness.outcomes import Outcome, RunResult
-from harness.process.spawning import close_shared_zygote
+from harness.process.spawning import close_shared_zygote, shared_zygote
 from harness.rank_warnings import filters_from_config, reemit
 from harness.report import DistributedFailure
 from harness.session import (
@@ -77,6 +77,21 @@ def unconfigure(config: pytest.Config) -> None:
 
 
 # --- hooks ---------------------------------------------------------------------------------
+
+PRESTARTED_KEY = pytest.StashKey[bool]()
+
+
+def pytest_itemcollected(item: pytest.Item) -> None:
+    """At the first distributed test collected, start the rank fork server: its torch
+    import then overlaps the rest of collection instead of delaying the first test."""
+    config = item.config
+    if config.stash.get(PRESTARTED_KEY, False) or world_size_of(item) is None:
+        return
+    if config.option.collectonly:
+        return
+    config.stash[PRESTARTED_KEY] = True
+    if settings_of(config).launcher in ("process", "thread"):
+        shared_zygote().prestart()
 
 
 @pytest.hookimpl(tryfirst=True)

@@ -161,6 +161,12 @@ class Zygote:
                     self._statuses[message["exited"]] = message["status"]
                 self._changed.notify_all()
 
+    def prestart(self) -> None:
+        """Start the fork server now, without waiting for it: it imports torch while the
+        parent goes on (collecting tests), so the first pool does not wait for both."""
+        with self._lock:
+            self._ensure_started()
+
     def spawn(self, spec_json: str, env: dict[str, str], control_fd: int) -> ForkedRank:
         with self._lock:
             sock = self._ensure_started()
