@@ -8,6 +8,13 @@ item, so unittest-based torch classes and our pytest tests are timed by the same
 
     python benchmarks/harness_overhead.py [--tests 200] [--json out.json] [--mptc-tests N]
                                           [--variants warm,fresh,mptc,continuous,mttc,thread]
+                                          [--repeats 3]
+
+Users wait for whole sessions, so each variant is also timed as a session: a 1-test session
+and an N-test session, ``--repeats`` times each, interleaved across the variants (the
+machine's drift hits all of them alike). The marginal cost per test is (median N-test
+wall - median 1-test wall) / (N - 1): pytest's own per-test work included, which the
+per-item durations leave out.
 
 The table's median and p90 are over the steady state (every test but the first, for every
 variant); the first test, which pays for a lazily started pool or torch's class spawn, is
@@ -186,23 +193,29 @@ VARIANT_KEYS = tuple(v.key for v in VARIANTS)
 
 
 def write_tests(directory: Path, count: int, mptc_count: int | None = None) -> None:
-    """Generate the test modules, the ini file and the timing plugin into ``directory``."""
+    """Generate the test modules (``count`` tests, and a 1-test twin of each, ``*_one.py``),
+    the ini file and the timing plugin into ``directory``."""
     (directory / "pytest.ini").write_text(_INI)
     (directory / f"{TIMING_PLUGIN}.py").write_text(_TIMING_PLUGIN_SOURCE)
-    (directory / "test_ours.py").write_text(_ours_module(count))
-    (directory / "test_torch_mptc.py").write_text(
-        _unittest_module(mptc_count or count, "MultiProcessTestCase", _MPTC_PREAMBLE).replace(
-            "{init}", _MPTC_INIT
+    for suffix, n, mptc_n in (("", count, mptc_count or count), ("_one", 1, 1)):
+        (directory / f"test_ours{suffix}.py").write_text(_ours_module(n))
+        (directory / f"test_torch_mptc{suffix}.py").write_text(
+            _unittest_module(mptc_n, "MultiProcessTestCase", _MPTC_PREAMBLE).replace(
+                "{init}", _MPTC_INIT
+            )
         )
-    )
-    (directory / "test_torch_continuous.py").write_text(
-        _unittest_module(count, "MultiProcContinuousTest", _CONTINUOUS_PREAMBLE).replace(
-            "{init}", ""
+        (directory / f"test_torch_continuous{suffix}.py").write_text(
+            _unittest_module(n, "MultiProcContinuousTest", _CONTINUOUS_PREAMBLE).replace(
+                "{init}", ""
+            )
         )
-    )
-    (directory / "test_torch_mttc.py").write_text(
-        _unittest_module(count, "MultiThreadedTestCase", _MTTC_PREAMBLE).replace("{init}", "")
-    )
+        (directory / f"test_torch_mttc{suffix}.py").write_text(
+            _unittest_module(n, "MultiThreadedTestCase", _MTTC_PREAMBLE).replace("{init}", "")
+        )
+
+
+def one_test_module(variant: Variant) -> str:
+    return variant.module.replace(".py", "_one.py")
 
 
 @dataclass
@@ -216,6 +229,25 @@ class Measurement:
     # setup + call + teardown of each test item, in run order, in milliseconds.
     durations_ms: list[float] = field(default_factory=list)
     log_tail: str = ""
+    # Whole-session walls of the interleaved repeats: 1-test sessions and N-test sessions.
+    one_test_walls_s: list[float] = field(default_factory=list)
+    session_walls_s: list[float] = field(default_factory=list)
+
+    @property
+    def one_test_session_s(self) -> float:
+        return statistics.median(self.one_test_walls_s) if self.one_test_walls_s else math.nan
+
+    @property
+    def session_s(self) -> float:
+        walls = self.session_walls_s or [self.wall_s]
+        return statistics.median(walls)
+
+    @property
+    def marginal_ms(self) -> float:
+        """What one more test adds to the session users wait for (pytest's work included)."""
+        if not self.one_test_walls_s or self.tests < 2:
+            return math.nan
+        return (self.session_s - self.one_test_session_s) / (self.tests - 1) * 1e3
 
     @property
     def ok(self) -> bool:
@@ -272,7 +304,9 @@ def per_test_durations(reports: list[list]) -> tuple[list[float], int]:
     return [seconds * 1e3 for seconds in totals.values()], len(call_passed - failed)
 
 
-def run_variant(variant: Variant, directory: Path, count: int, timeout: float) -> Measurement:
+def run_variant(
+    variant: Variant, directory: Path, count: int, timeout: float, module: str | None = None
+) -> Measurement:
     timings = directory / f"timings-{variant.key}.json"
     log = directory / f"log-{variant.key}.txt"
     env = dict(os.environ, **_ONE_THREAD_ENV, **{TIMINGS_ENV: str(timings)})
@@ -283,7 +317,7 @@ def run_variant(variant: Variant, directory: Path, count: int, timeout: float) -
         sys.executable,
         "-m",
         "pytest",
-        variant.module,
+        module or variant.module,
         "-q",
         "-p",
         TIMING_PLUGIN,
@@ -324,14 +358,15 @@ def run_variant(variant: Variant, directory: Path, count: int, timeout: float) -
 def format_table(measurements: list[Measurement]) -> str:
     header = (
         "| variant | tests | median ms/test | p90 ms/test | first test ms "
-        "| sum of tests s | session wall s |"
+        "| sum of tests s | 1-test session s | N-test session s | marginal ms/test (session) |"
     )
-    rows = [header, "|---|---:|---:|---:|---:|---:|---:|"]
+    rows = [header, "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for m in measurements:
         tests = f"{m.passed}/{m.tests}" if not m.ok else str(m.tests)
         rows.append(
             f"| {m.label} | {tests} | {m.median_ms:.1f} | {m.p90_ms:.1f} | {m.first_ms:.0f} "
-            f"| {m.sum_s:.1f} | {m.wall_s:.1f} |"
+            f"| {m.sum_s:.1f} | {m.one_test_session_s:.2f} | {m.session_s:.2f} "
+            f"| {m.marginal_ms:.1f} |"
         )
     return "\n".join(rows)
 
@@ -386,6 +421,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--timeout", type=float, default=3600.0, help="seconds allowed per variant session"
     )
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=3,
+        help="1-test and N-test sessions per variant for the session-wall columns, "
+        "interleaved across the variants (default 3; 0 skips them)",
+    )
     args = parser.parse_args(argv)
     if args.mptc_tests is None:
         args.mptc_tests = args.tests
@@ -406,10 +448,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="distconform-bench-") as tmp:
         directory = Path(tmp)
         write_tests(directory, args.tests, args.mptc_tests)
-        for variant in chosen:
-            count = args.mptc_tests if variant.key == "mptc" else args.tests
-            print(f"running {variant.label} ({count} tests) ...", file=sys.stderr, flush=True)
-            measurements.append(run_variant(variant, directory, count, args.timeout))
+        for repeat in range(max(1, args.repeats)):
+            for index, variant in enumerate(chosen):
+                count = args.mptc_tests if variant.key == "mptc" else args.tests
+                print(
+                    f"running {variant.label} ({count} tests, repeat {repeat + 1}) ...",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                many = run_variant(variant, directory, count, args.timeout)
+                if repeat == 0:
+                    measurements.append(many)
+                if args.repeats:
+                    one = run_variant(
+                        variant, directory, 1, args.timeout, module=one_test_module(variant)
+                    )
+                    measurements[index].session_walls_s.append(many.wall_s)
+                    measurements[index].one_test_walls_s.append(one.wall_s)
     info = machine()
     # Other work on the machine inflates every number; say how busy it was.
     info["load_average_at_end"] = " ".join(f"{x:.1f}" for x in os.getloadavg())
@@ -420,7 +475,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"\n{counts} (one-element all_reduce, world size "
         f"{WORLD_SIZE}), {info['cores']} cores, {info['device']}, torch {info['torch']}, "
         f"one torch thread per rank, load average at the end {info['load_average_at_end']}; "
-        f"median/p90 exclude each variant's first test\n"
+        f"median/p90 exclude each variant's first test; session columns: medians of "
+        f"{args.repeats} interleaved repeats\n"
     )
     print(format_table(measurements))
     notes = format_notes(measurements)
@@ -446,6 +502,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                     "first_ms": m.first_ms,
                     "start_up_ms": m.start_up_ms,
                     "sum_s": m.sum_s,
+                    "one_test_session_s": m.one_test_session_s,
+                    "session_s": m.session_s,
+                    "marginal_ms": m.marginal_ms,
                 }
                 for m in measurements
             ],

@@ -31,6 +31,8 @@ def test_benchmark_runs_and_reports_every_column(tmp_path: Path) -> None:
             "warm,thread",
             "--json",
             str(out),
+            "--repeats",
+            "1",
         ],
         capture_output=True,
         text=True,
@@ -46,8 +48,13 @@ def test_benchmark_runs_and_reports_every_column(tmp_path: Path) -> None:
     for variant in data["variants"]:
         assert variant["passed"] == 3
         assert len(variant["durations_ms"]) == 3
-        for column in ("median_ms", "p90_ms", "first_ms", "sum_s", "wall_s"):
+        for column in (
+            "median_ms", "p90_ms", "first_ms", "sum_s", "wall_s", "one_test_session_s",
+            "session_s",
+        ):  # fmt: skip
             assert math.isfinite(variant[column]) and variant[column] > 0, column
+        assert math.isfinite(variant["marginal_ms"])  # with 3 tests it may be below 0
+        assert len(variant["one_test_walls_s"]) == len(variant["session_walls_s"]) == 1
 
 
 def test_unknown_variant_is_a_usage_error() -> None:
