@@ -18,6 +18,7 @@ import pytest
 from harness import summary
 from harness.config import ConfigError, DistSettings, device_count
 from harness.deadline import deadline_for, outer_limit_for
+from harness.gc_freeze import freeze_heap
 from harness.launchers import build_task, pool_key, pool_manager
 from harness.markers import memory_limit_of, required_devices_of
 from harness.outcomes import Outcome, RunResult
@@ -79,6 +80,15 @@ def unconfigure(config: pytest.Config) -> None:
 # --- hooks ---------------------------------------------------------------------------------
 
 PRESTARTED_KEY = pytest.StashKey[bool]()
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Freeze what collection left on the heap (torch, DTensor, the items) out of the
+    garbage collector's reach: every full collection during the tests would walk it all
+    again. Worth 3 ms a trivial distributed test on 2 cores."""
+    if any(world_size_of(item) is not None for item in session.items):
+        freeze_heap()
 
 
 def pytest_itemcollected(item: pytest.Item) -> None:

@@ -22,6 +22,7 @@ import signal
 import socket
 import sys
 
+from harness.gc_freeze import freeze_heap
 from harness.process import worker
 
 _MAX_MESSAGE = 1 << 20
@@ -123,6 +124,9 @@ def main() -> None:
     fd = int(sys.argv[1])
     worker.set_parent_death_signal(int(sys.argv[2]))
     _preload()
+    # Forked ranks start with torch's objects frozen: their collections skip them, and
+    # the pages holding them are not copied on write by the collector's bookkeeping.
+    freeze_heap()
     serve(socket.socket(fileno=fd))
     # Skip interpreter teardown with torch loaded (seconds): there is nothing to flush.
     os._exit(0)

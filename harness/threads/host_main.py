@@ -14,6 +14,7 @@ from multiprocessing.connection import Connection
 
 import torch
 
+from harness.gc_freeze import freeze_heap
 from harness.outcomes import Outcome, RankResult, RunResult
 from harness.process.output import end_marker_line
 from harness.process.protocol import ThreadHostRun, WorkerSpec
@@ -48,6 +49,7 @@ def serve_thread_host(spec: WorkerSpec) -> None:
     # Temp files in the parent's pool directory: the parent removes it even after a crash.
     pool = ThreadPool(spec.world_size, temp_root=os.path.dirname(spec.stack_path))
     pool.start()
+    freeze_heap()
     conn.send(("ready", os.getpid()))
     while True:
         try:
