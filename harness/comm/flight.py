@@ -125,9 +125,12 @@ class FlightRecorder(Interceptor):
             self._open_part(1 - self._part)
         os.write(self._fd, (json.dumps(call.to_json()) + "\n").encode())
         self._in_part += 1
+        issued = proceed()
+        # Counted only once issued: a call refused on the spot (a strided tensor, a bad
+        # argument) never reaches the other ranks, so it must not unbalance the ledger.
         if call.group_name == self._default_group:
             self._count(call)
-        return proceed()
+        return issued
 
     def _count(self, call: CollectiveCall) -> None:
         if call.kind not in POINT_TO_POINT:

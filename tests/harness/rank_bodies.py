@@ -152,3 +152,12 @@ def send_and_receive() -> float:
     elif dist.get_rank() == 1:
         dist.recv(value, src=0)
     return value.item()
+
+
+def refused_send() -> str:
+    """A send the backend refuses on the spot (gloo: a strided tensor) never went out."""
+    try:
+        dist.isend(torch.ones(8)[::2], dst=(dist.get_rank() + 1) % dist.get_world_size())
+    except RuntimeError as exc:
+        return str(exc)
+    return "accepted"

@@ -120,3 +120,9 @@ def test_balanced_collectives_and_matched_sends_keep_the_pool_warm(pools):
     assert exchanged.ok and exchanged.values[:2] == [0.0, 0.0]
     assert run(pools, rank_bodies.all_reduce_rank_sum).ok
     assert pools.spawn_count == 1 and pools.recycle_count == 0
+
+
+def test_a_call_refused_on_the_spot_does_not_unbalance_the_ledger(pools):
+    refused = run(pools, rank_bodies.refused_send)
+    assert refused.ok and all("contiguous" in value for value in refused.values)
+    assert pools.recycle_count == 0 and not refused.hygiene_violations
