@@ -16,9 +16,11 @@ What happens on each failure kind (the README's external-launcher section says t
   connection close; a watcher on each peer also aborts its groups, which is how NCCL
   peers are released). After any failed test every rank rebuilds the default group on a
   new store prefix, and the session goes on with the next test.
-- A rank still running at the deadline publishes its stacks (a watchdog thread). There is
-  no parent to kill it: the session stops after that test with the report and a line
-  saying why, because that process cannot take part in the next one.
+- A rank still running at the deadline publishes its stacks (a watchdog thread), and the
+  test is interrupted there. A test stuck in Python code comes back, and the world is
+  rebuilt as after a failure. One blocked in C code cannot be reached, and there is no
+  parent to kill it: the session stops after that test with the report and a line saying
+  why, because that process cannot take part in the next one.
 """
 
 from __future__ import annotations
