@@ -177,18 +177,25 @@ def _torchrun(tmp_path: Path, *, nodes: int, per_node: int, extra: list[str]):
     return [consoles[rank] for rank in sorted(consoles)]
 
 
-def test_a_torchrun_world_reports_every_outcome_once_and_goes_on(tmp_path):
-    _write_module(tmp_path, blocked_in_c=False)
+def _mixed_world_under_torchrun(tmp_path: Path, *, nodes: int, per_node: int) -> str:
+    """Run the mixed module (with the C-level block when several nodes) and check the
+    world; rank 0's console for the checks of the caller."""
+    _write_module(tmp_path, blocked_in_c=nodes > 1)
     started = time.monotonic()
     consoles = _torchrun(
         tmp_path,
-        nodes=1,
-        per_node=2,
+        nodes=nodes,
+        per_node=per_node,
         extra=["--dist-deadline", str(DEADLINE_S), "--junitxml", "report.xml"],
     )
     wall = time.monotonic() - started
-    check_world(consoles[0], consoles[1:], tmp_path / "report.xml", 2, wall)
-    assert "ws4" not in consoles[0].split("short test summary")[1]  # deselected in a world of 2
+    check_world(consoles[0], consoles[1:], tmp_path / "report.xml", nodes * per_node, wall)
+    return consoles[0]
+
+
+def test_a_torchrun_world_reports_every_outcome_once_and_goes_on(tmp_path):
+    rank0 = _mixed_world_under_torchrun(tmp_path, nodes=1, per_node=2)
+    assert "ws4" not in rank0.split("short test summary")[1]  # deselected in a world of 2
 
 
 def test_a_slurm_world_needs_no_torchrun(tmp_path):
@@ -231,17 +238,7 @@ def test_a_slurm_world_needs_no_torchrun(tmp_path):
 def test_two_torchrun_nodes_on_loopback_report_once_and_stop_on_a_rank_that_cannot_return(
     tmp_path,
 ):
-    _write_module(tmp_path, blocked_in_c=True)
-    started = time.monotonic()
-    consoles = _torchrun(
-        tmp_path,
-        nodes=2,
-        per_node=2,
-        extra=["--dist-deadline", str(DEADLINE_S), "--junitxml", "report.xml"],
-    )
-    wall = time.monotonic() - started
-    check_world(consoles[0], consoles[1:], tmp_path / "report.xml", 4, wall)
-    rank0 = consoles[0]
+    rank0 = _mixed_world_under_torchrun(tmp_path, nodes=2, per_node=2)
     assert "rank 1 hung: no result within" in rank0
     assert "did not come back from test_mixed.py::test_blocks_in_c_on_rank_1[ws4]" in rank0
     assert "test_never_reached" not in rank0.split("short test summary")[0]
