@@ -147,18 +147,22 @@ class ExternalWorld:
         started = time.monotonic()
         watchdog = _StackWatchdog(deadline, lambda stacks: self._give_up(sequence, stacks))
         watch = _PeerFailureWatch(self._store, f"{sequence}/failed", _abort_groups)
+        result: RankResult | None = None
         try:
-            result = run_task_in_process(task, ctx, trace_dir=None)
-        except DeadlineInterrupt:  # landed in the harness's own code after the test body
+            # An interrupt that lands in the harness's own code after the test body leaves
+            # no result: the rank still reports the hang.
+            with contextlib.suppress(DeadlineInterrupt):
+                result = run_task_in_process(task, ctx, trace_dir=None)
+        finally:
+            watchdog.test_returned()
+            watch.cancel()
+        if result is None:
             result = RankResult(
                 rank=self.rank,
                 outcome=Outcome.HUNG,
                 started_at=started,
                 finished_at=time.monotonic(),
             )
-        finally:
-            watch.cancel()
-            watchdog.test_returned()
         if watchdog.stacks is not None:
             result = _came_back_hung(result, watchdog.stacks, deadline)
         if result.outcome not in CLEAN_OUTCOMES:
@@ -402,6 +406,12 @@ class _StackWatchdog:
             self._on_gone(self.stacks)
 
     def test_returned(self) -> None:
-        with self._lock:
-            self._returned.set()
+        """No interrupt comes after this returns; one that landed just before is absorbed."""
+        while True:
+            try:
+                with self._lock:
+                    self._returned.set()
+                break
+            except DeadlineInterrupt:  # injected as the test returned: the flag is set now
+                continue
         self._thread.join(timeout=1.0)
