@@ -30,7 +30,12 @@ from conformance.expectations import Entry, Expectations, ExpectationsError, com
 from conformance.progress import RunTracker
 from conformance.report import writable_directory
 from conformance.tolerance import Tolerance
-from harness.session import prints_the_report, settings_of, world_size_of
+from harness.session import (
+    prints_the_report,
+    requested_launcher,
+    settings_of,
+    world_size_of,
+)
 from impl.api import ENV_VAR, Implementation, default_spec, load_implementation
 from suites.backend.declaration import BackendDeclaration, DeclarationError, load_declaration
 from suites.cases import (
@@ -156,7 +161,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     inapplicable = apply_case_table(
         items,
         device_type=config.getoption("device") or "cpu",
-        launcher=config.getoption("launcher") or config.getini("dist_launcher"),
+        launcher=requested_launcher(config),
         capabilities_of=lambda subject: declared_capabilities(config, subject),
         world_size_of=world_size_of,
     )
@@ -170,11 +175,16 @@ def declared_capabilities(config: pytest.Config, subject: str) -> frozenset[str]
     """What the implementation (``--impl``) or the backend (``--backend``) declares."""
     if subject == BACKEND:
         return backend_declaration(config).capabilities
+    return implementation_under_test(config).capabilities
+
+
+def implementation_under_test(config: pytest.Config) -> Implementation:
+    """The run's implementation, loaded once; a spec that does not load is a usage error."""
     spec = selected_spec(config)
     try:
-        return load_implementation(spec).capabilities
+        return load_implementation(spec)
     except (ImportError, ValueError, TypeError) as error:
-        raise pytest.UsageError(f"--impl {spec}: {error}") from error
+        raise pytest.UsageError(f"--impl {spec}: {error}") from None
 
 
 def backend_declaration(config: pytest.Config) -> BackendDeclaration:
@@ -200,11 +210,7 @@ def default_backend_expectations(backend: str) -> Expectations:
 @pytest.fixture(scope="session")
 def impl(request: pytest.FixtureRequest) -> Implementation:
     """The implementation under test, chosen by ``--impl`` or ``$DISTCONFORM_IMPL``."""
-    spec = selected_spec(request.config)
-    try:
-        return load_implementation(spec)
-    except (ImportError, ValueError, TypeError) as error:
-        raise pytest.UsageError(f"--impl {spec}: {error}") from error
+    return implementation_under_test(request.config)
 
 
 @pytest.fixture
@@ -224,13 +230,8 @@ def default_expectations_path(spec: str) -> Path | None:
 def check_named_implementation(config: pytest.Config) -> None:
     """Load an implementation the run names (``--impl``, ``$DISTCONFORM_IMPL``) before any
     test starts, so a misspelt spec is one error line, not an empty report."""
-    if not (config.getoption("impl") or os.environ.get(ENV_VAR)):
-        return
-    spec = selected_spec(config)
-    try:
-        load_implementation(spec)
-    except (ImportError, ValueError, TypeError) as error:
-        raise pytest.UsageError(f"--impl {spec}: {error}") from None
+    if config.getoption("impl") or os.environ.get(ENV_VAR):
+        implementation_under_test(config)
 
 
 class ConformancePlugin:

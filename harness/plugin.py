@@ -34,6 +34,7 @@ from harness.session import (
     SETTINGS_KEY,
     WORLD_SIZE_PARAM,
     external_world,
+    requested_launcher,
     world_size_of,
 )
 
@@ -166,8 +167,7 @@ def pytest_addhooks(pluginmanager: pytest.PytestPluginManager) -> None:
 def pytest_cmdline_main(config: pytest.Config) -> None:
     """Under torchrun or srun, before pytest builds its terminal: only rank 0 prints the
     report, every other rank's goes to a file (:mod:`harness.external_report`)."""
-    launcher = config.getoption("launcher") or config.getini("dist_launcher")
-    if launcher != "external" or hasattr(config, "workerinput"):
+    if requested_launcher(config) != "external" or hasattr(config, "workerinput"):
         return
     try:
         me = ExternalRank.from_environment()
@@ -200,7 +200,7 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def _settings_from(config: pytest.Config) -> DistSettings:
-    launcher = check_launcher(config.getoption("launcher") or config.getini("dist_launcher"))
+    launcher = check_launcher(requested_launcher(config))
     device_type = check_device_type(config.getoption("device") or "cpu")
     backend = resolve_backend(launcher, config.getoption("backend"), device_type)
     threads = config.getoption("dist_threads")
@@ -297,8 +297,8 @@ def _no_world_size_left(
     if world is not None:
         return (
             f"this {world.me.starter} world has {world.world_size} ranks, but none of the {count} "
-            f"collected runs at that world size (they run at {existing}); start torchrun "
-            f"with one of those --nproc-per-node values"
+            f"collected runs at that world size (they run at {existing}); start the "
+            f"{world.me.starter} job with one of those numbers of ranks"
         )
     asked = ",".join(str(size) for size in wanted)
     return (

@@ -120,12 +120,16 @@ class PoolManager:
                 finished_at=time.monotonic(),
                 harness_notes=[str(exc)],
             )
-        shortened, asked = None, deadline
+        # (the run's note, and what a hung rank's line adds) when the deadline is cut
+        cut: tuple[str, str] | None = None
         if must_end_by is not None and must_end_by.ends_at - time.monotonic() < deadline:
             now = time.monotonic()
             allowed = max(0.5, must_end_by.ends_at - now)
-            spent = now - must_end_by.started_at
-            shortened = must_end_by.shortening_note(deadline, allowed, spent)
+            cut = (
+                must_end_by.shortening_note(deadline, allowed, now - must_end_by.started_at),
+                f"cut from {deadline:g} s to fit pytest-timeout's {must_end_by.timeout:g} s "
+                f"limit (see the note below)",
+            )
             deadline = allowed
             task = replace(task, pg_timeout=pg_timeout_for(deadline))
         try:
@@ -133,14 +137,12 @@ class PoolManager:
         except BaseException:
             self._discard(key)
             raise
-        if shortened is not None and must_end_by is not None:
-            run.harness_notes.append(shortened)
+        if cut is not None:
+            note, hung_suffix = cut
+            run.harness_notes.append(note)
             for result in run.by_outcome(Outcome.HUNG):
                 # The headline quotes this note: it must not read as the test's own deadline.
-                result.note = (
-                    f"{result.note or 'hung'}, cut from {asked:g} s to fit pytest-timeout's "
-                    f"{must_end_by.timeout:g} s limit (see the note below)"
-                )
+                result.note = f"{result.note or 'hung'}, {hung_suffix}"
         if pool.broken or fresh:
             self._discard(key, recycled=pool.broken)
         demote_secondary_failures(run)

@@ -180,6 +180,7 @@ def run_item(item: pytest.Function) -> None:
     world_size = world_size_of(item)
     kwargs = {name: item.funcargs[name] for name in item._fixtureinfo.argnames}
     deadline = deadline_for(item, settings.deadline)
+    world = external_world(item.config)
     try:
         task = build_task(
             item.obj,
@@ -195,11 +196,10 @@ def run_item(item: pytest.Function) -> None:
             else (),
             device_audit=device_audit_for(item),
             # Under torchrun every rank is a pytest process that rewrote its own modules.
-            assertions=None if external_world(item.config) else assertion_settings_of(item.config),
+            assertions=None if world is not None else assertion_settings_of(item.config),
         )
     except TaskPackingError as exc:
         pytest.fail(str(exc), pytrace=False)
-    world = external_world(item.config)
     if world is not None:
         run = world.run(task, deadline)
         if world.broken_reason is not None:

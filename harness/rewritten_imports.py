@@ -59,6 +59,8 @@ class _RewritingFinder:
 
     def __init__(self) -> None:
         self.files: dict[str, str] = {}
+        # The settings comparisons are explained with in this process, once installed.
+        self.settings: AssertionSettings | None = None
 
     def find_spec(
         self, fullname: str, path: Sequence[str] | None = None, target: object = None
@@ -78,7 +80,6 @@ def spec_for(name: str, file: str) -> ModuleSpec | None:
 
 
 _finder = _RewritingFinder()
-_installed_settings: list[AssertionSettings] = []
 
 
 def prepare(modules: RewrittenModules, settings: AssertionSettings | None) -> None:
@@ -89,9 +90,9 @@ def prepare(modules: RewrittenModules, settings: AssertionSettings | None) -> No
     if _finder not in sys.meta_path:
         sys.meta_path.insert(0, _finder)
     _finder.files.update(modules)
-    if settings not in _installed_settings:
+    if settings != _finder.settings:
         _pytest_private.install_comparison_explanations(settings)
-        _installed_settings[:] = [settings]
+        _finder.settings = settings
 
 
 def rewriting_spec(name: str, file: str | None) -> ModuleSpec | None:

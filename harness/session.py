@@ -52,6 +52,12 @@ def external_world(config: pytest.Config) -> ExternalWorld | None:
     return config.stash.get(EXTERNAL_KEY, None)
 
 
+def requested_launcher(config: pytest.Config) -> str:
+    """The launcher this session asks for (``--launcher``, else the ``dist_launcher`` ini
+    value), as written: unchecked, and readable before the settings exist."""
+    return config.getoption("launcher") or config.getini("dist_launcher")
+
+
 def assertion_settings_of(config: pytest.Config) -> AssertionSettings | None:
     """How ranks rewrite and explain asserts in this session (read once)."""
     if ASSERTIONS_KEY not in config.stash:
