@@ -6,7 +6,7 @@ Transformer's forward) and ``wrapper`` (each block inside a wrapper module, whos
 prefix the parity check ignores). Groupings: ``block`` (one group per block),
 ``mem_eff`` (blocks 1 and 2 together, the two embeddings together with
 ``set_unshard_in_backward(False)``, norm and output together; untied weights) and
-``mem_eff_weight_tied`` (embedding and output together). Then the root. 10 steps: losses,
+``mem_eff_weight_tied`` (embedding and output together). Then the root. 3 steps: losses,
 parameters and gradients against a plain copy with explicit averaging. Upstream's replicate
 variant skipped its in-loop checks by a quirk of the test; here every kind checks them.
 """

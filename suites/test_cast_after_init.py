@@ -2,7 +2,7 @@
 
 Under swap-tensors mode (``torch.__future__.set_swap_module_params_on_conversion``), the
 conversion swaps the registered DTensors: their local shards, global dtype and gradients are
-float64 from then on, and 10 Adam steps match a float64 reference with explicit averaging.
+float64 from then on, and 3 Adam steps match a float64 reference with explicit averaging.
 
 Casting later, after training started, while groups are unsharded (``raf=False`` and a
 forward without backward) and gradients exist: the gradients are converted too, and the next

@@ -14,11 +14,10 @@ import copy
 import torch
 from torch import nn
 
-from harness.comm import busy_wait
 from harness.parity import assert_losses_equal, assert_sharded_parity, average_gradients
 from suites.cases import conformance
 from suites.models import MLP
-from suites.training import DELAY_S
+from suites.training import inject_delay
 
 
 def run_non_root(rank_ctx, distribute) -> None:
@@ -38,7 +37,7 @@ def run_non_root(rank_ctx, distribute) -> None:
         loss.backward()
     assert_losses_equal(0, *root_losses)
     average_gradients(reference)
-    busy_wait(DELAY_S)
+    inject_delay(rank_ctx.device)
     assert_sharded_parity(reference, model)
     for opt in (optimizer, ref_optimizer):
         opt.step()

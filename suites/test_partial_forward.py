@@ -27,6 +27,7 @@ from harness.parity import (
 from suites.cases import conformance, grid, grid_id
 from suites.models import ChunkedHeadModel, Transformer
 from suites.training import (
+    STEPS,
     SUMMED_LOGITS_GRAD_TOLERANCE,
     adam,
     checkpoint_in_place,
@@ -37,7 +38,6 @@ from suites.training import (
 )
 
 DIM, VOCAB = 32, 128
-STEPS = 10
 
 
 def snapshot(grad: torch.Tensor) -> torch.Tensor:

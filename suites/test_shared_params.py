@@ -1,6 +1,6 @@
 """Shared (tied) parameters, under fully_shard and replicate.
 
-* parity: a weight-tied Transformer, blocks optionally checkpointed, 10 steps;
+* parity: a weight-tied Transformer, blocks optionally checkpointed, 3 steps;
 * uneven shard: a tied 17-row weight over 4 ranks (the last rank holds padding) trains
   every row, padded rows included;
 * tied parameters in two groups raise ``ValueError`` ("already managed by another", naming

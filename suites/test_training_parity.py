@@ -1,14 +1,16 @@
 """Training parity with one and several groups, under fully_shard and replicate.
 
-Every case trains 10 Adam steps next to a plain copy with explicit gradient averaging, on
-different data per rank (seed ``42 + rank + 1``): losses every step, parameters and
-gradients shard by shard every step, and every step's collectives against FSDP2's schedule
-for the sharding plan (``suites/schedule``: kind, ranks, dtype, elements per rank, and where
-each is issued relative to the modules' forward and backward).
+Every case trains 3 Adam steps (``suites.training.STEPS``) next to a plain copy with
+explicit gradient averaging, on different data per rank (seed ``42 + rank + 1``): losses
+every step, parameters and gradients shard by shard every step, and every step's
+collectives against FSDP2's schedule for the sharding plan (``suites/schedule``: kind,
+ranks, dtype, elements per rank, and where each is issued relative to the modules' forward
+and backward).
 Unlike the replicate upstream tests, the optimizer steps before ``zero_grad`` (the upstream
 order made every step a no-op), and parameters are compared after each step.
 
-Multi-group cases inject the upstream delays: 100 ms before each all-gather, before each
+Multi-group cases inject the upstream delays (``suites.training.inject_delay``: 100 ms on an
+accelerator's stream, 10 ms of host time on the CPU) before each all-gather, before each
 gradient reduction (the all-reduce for replicate), after forward and before the optimizer;
 none, one at a time, or all four.
 
@@ -126,9 +128,9 @@ def run_multi_group(
         distribute,
         lambda: transformer_tokens(rank_ctx.device),
         schedule=plan,
-        model_context=collective_delays(delays, replicate=replicate),
-        after_forward=host_delay("after_forward" in delays),
-        before_step=host_delay("before_optim" in delays),
+        model_context=collective_delays(delays, rank_ctx.device, replicate=replicate),
+        after_forward=host_delay("after_forward" in delays, rank_ctx.device),
+        before_step=host_delay("before_optim" in delays, rank_ctx.device),
         grad_tolerance=SUMMED_LOGITS_GRAD_TOLERANCE if replicate else None,
     )
 

@@ -16,7 +16,7 @@ import torch.utils.checkpoint
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from harness.comm import CommTracer, RawCall, busy_wait
+from harness.comm import CommTracer, RawCall, busy_wait, device_sleep
 from harness.comm.intercept import Interceptor, Proceed
 from harness.parity import (
     ReferenceModel,
@@ -27,10 +27,17 @@ from harness.parity import (
 from suites.models import ModelArgs, Transformer, TransformerBlock, WidthStack
 from suites.schedule import ScheduleRecorder, ShardingPlan
 
-STEPS = 10
-#: Injected delays: long enough that an unsynchronised consumer of a collective's result
-#: reads stale data, short enough for the slow run (upstream sleeps 100 ms on the GPU).
-DELAY_S = 0.1
+#: Three steps cover every gradient transition the loops check: fresh gradients (step 0),
+#: gradients after ``zero_grad(set_to_none=True)`` (step 1) and after zeroing in place
+#: (step 2), each followed by an optimizer step; more steps repeat the same transitions.
+STEPS = 3
+#: Injected delays. On an accelerator, as upstream (100 ms), the current stream is kept busy:
+#: a consumer that skips the stream wait reads an unfinished result. The CPU has no stream:
+#: the rank's thread busy-waits, which shifts its host work against the other ranks and
+#: gloo's threads; 10 ms is 20x a small gloo all-gather at world size 2 (0.5 ms) and 2x one
+#: at 4 ranks on 2 cores (4 ms; measured 2026-11-24), so the order still changes.
+ACCELERATOR_DELAY_S = 0.1
+CPU_DELAY_S = 0.01
 #: ``Transformer.sum()`` over 3 x 64 x 1024 logits gives gradient entries around 2000 that
 #: cancel to single digits when averaged; a flat group buffer sums in another order than a
 #: per-parameter all-reduce (an ulp of 2048 is 1.2e-4). Still catches a factor of 2.
@@ -340,8 +347,16 @@ def delay_id(delays: tuple[str, ...]) -> str:
     return "all" if len(delays) == len(DELAYS) else delays[0]
 
 
+def inject_delay(device: torch.device | str) -> None:
+    """The suites' delay on ``device``: the stream on an accelerator, the host on the CPU."""
+    if torch.device(device).type == "cpu":
+        busy_wait(CPU_DELAY_S)
+    else:
+        device_sleep(ACCELERATOR_DELAY_S, device)
+
+
 class _DelayBefore(Interceptor):
-    """Busy-waits ``DELAY_S`` before each collective of ``kinds`` this rank issues.
+    """Delays (``inject_delay``) each collective of ``kinds`` this rank issues.
 
     ``harness.comm.delay_collectives`` with the wrapped ``torch.distributed`` functions only:
     its default (function and dispatch modes) fails plain-tensor ops such as ``aten.detach``
@@ -350,17 +365,18 @@ class _DelayBefore(Interceptor):
 
     functional = False
 
-    def __init__(self, kinds: frozenset[str]) -> None:
+    def __init__(self, kinds: frozenset[str], device: torch.device | str) -> None:
         self._kinds = kinds
+        self._device = device
 
     def handle(self, raw: RawCall, proceed: Proceed):
         if raw.kind in self._kinds:
-            busy_wait(DELAY_S)
+            inject_delay(self._device)
         return proceed()
 
 
 def collective_delays(
-    delays: tuple[str, ...], *, replicate: bool = False
+    delays: tuple[str, ...], device: torch.device | str, *, replicate: bool = False
 ) -> Callable[[], contextlib.AbstractContextManager]:
     """A context factory delaying the chosen collectives of the distributed model.
 
@@ -374,10 +390,10 @@ def collective_delays(
         kinds.add("all_reduce" if replicate else "reduce_scatter")
 
     def delayed() -> contextlib.AbstractContextManager:
-        return _DelayBefore(frozenset(kinds)) if kinds else contextlib.nullcontext()
+        return _DelayBefore(frozenset(kinds), device) if kinds else contextlib.nullcontext()
 
     return delayed
 
 
-def host_delay(enabled: bool) -> Callable[[], None] | None:
-    return (lambda: busy_wait(DELAY_S)) if enabled else None
+def host_delay(enabled: bool, device: torch.device | str) -> Callable[[], None] | None:
+    return (lambda: inject_delay(device)) if enabled else None

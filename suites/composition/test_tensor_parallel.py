@@ -33,9 +33,8 @@ from torch.distributed.tensor.parallel import (
 from harness.parity import ReferenceModel, assert_losses_equal, assert_tensors_close
 from suites.cases import conformance
 from suites.models import MLPStack, ModelArgs, Transformer
-from suites.training import SUMMED_LOGITS_GRAD_TOLERANCE
+from suites.training import STEPS, SUMMED_LOGITS_GRAD_TOLERANCE
 
-STEPS = 10
 MLP_DIMS = (3, 5, 16, 17)
 
 
