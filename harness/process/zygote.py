@@ -21,6 +21,7 @@ import selectors
 import signal
 import socket
 import sys
+import traceback
 
 from harness.gc_freeze import freeze_heap
 from harness.process import worker
@@ -99,6 +100,11 @@ def serve(sock: socket.socket) -> None:
             if pid == 0:
                 try:
                     _become_rank(json.loads(message), fds, sock, wakeup_r)
+                except BaseException:
+                    # Into the rank's output (stderr is its pipe by now), or the report
+                    # says only "exited with code 1".
+                    traceback.print_exc()
+                    sys.stderr.flush()
                 finally:
                     os._exit(1)
             children.add(pid)

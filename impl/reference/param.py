@@ -152,14 +152,12 @@ class ManagedParam:
         self.dtype = sharded_flat.dtype
 
     def _as_dtensor(self, local: torch.Tensor) -> DTensor:
-        return DTensor.from_local(
-            local,
-            self.mesh,
-            self.placements,
-            run_check=False,
-            shape=self.global_shape,
-            stride=self.global_stride,
-        )
+        # Not DTensor.from_local: it moves ``local`` to the mesh's device type, so a shard
+        # offloaded to the CPU (CPUOffloadPolicy on a cuda mesh) would be copied back to the
+        # accelerator, out of ``sharded_flat``. FSDP2 builds its sharded DTensors the same way.
+        return _torch_private.dtensor_factory(
+            self.mesh, self.placements, self.global_shape, self.global_stride, local.dtype
+        )(local)
 
     def _as_sharded_grad(self, local_grad: torch.Tensor) -> DTensor:
         """``local_grad`` as a ``DTensor`` placed like the sharded parameter, built without

@@ -70,6 +70,7 @@ def test_launch_rejects_bad_input_without_spawning(monkeypatch, kwargs, message)
         raise AssertionError("spawned despite bad input")
 
     monkeypatch.setattr(ProcessPool, "_spawn", refuse)
+    monkeypatch.setenv("DISTCONFORM_FAKE_DEVICE_COUNT", "0")  # "has 0" on a GPU machine too
     with pytest.raises(ConfigError) as excinfo:
         launch(rank_bodies.all_reduce_rank_sum, **kwargs)
     assert message in str(excinfo.value)

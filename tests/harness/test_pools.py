@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from harness import Outcome
-from harness.pools import PoolManager
+from harness.pools import PoolManager, PoolStartFailure
+from harness.process.pool import ProcessPool, ProcessPoolSpec
 from tests.harness import rank_bodies
 from tests.harness.conftest import KEY4, task_for
 
@@ -126,3 +127,21 @@ def test_a_call_refused_on_the_spot_does_not_unbalance_the_ledger(pools):
     refused = run(pools, rank_bodies.refused_send)
     assert refused.ok and all("contiguous" in value for value in refused.values)
     assert pools.recycle_count == 0 and not refused.hygiene_violations
+
+
+def test_a_rank_that_dies_starting_shows_its_exception():
+    # Before, the fork server's child ended in os._exit(1) with the exception unprinted, and
+    # a start failure read "crashed (exited with code 1)" with nothing to act on.
+    pool = ProcessPool(
+        ProcessPoolSpec(
+            world_size=2, backend="no_such_backend", device_type="cpu", threads_per_rank=1
+        )
+    )
+    try:
+        with pytest.raises(PoolStartFailure) as excinfo:
+            pool.start(timeout=60)
+    finally:
+        pool.kill()
+    crashed = [r for r in excinfo.value.results if r.outcome is Outcome.CRASHED]
+    assert crashed, excinfo.value.results
+    assert "Unknown backend type no_such_backend" in (crashed[0].output or "")
