@@ -1,7 +1,7 @@
 """Gradient accumulation flags and their exact collective counts (upstream's grid).
 
 ``Sequential(Linear(32, 32), MLP(32) x 3)``: each MLP its own group, the root owning the
-first Linear (4 groups). 5 iterations of 3 microbatches; before each microbatch the flags
+first Linear (4 groups). 3 iterations of 3 microbatches; before each microbatch the flags
 are set (``last`` on the third): gradient sync (or, with ``rso``, only the HSDP all-reduce),
 and, without ``rab``, reshard-after-backward. Counts are summed over an iteration's
 microbatches and must equal upstream's expected counts; every microbatch's collectives must be
@@ -26,7 +26,8 @@ from suites.schedule import ShardingPlan
 from suites.training import Expected, accumulate_with_parity
 
 MICROBATCHES = 3
-ITERATIONS = 5
+#: Three iterations: fresh gradients, then after zeroing in place, then after set-to-None.
+ITERATIONS = 3
 MODES = ("all", "root_only", "some_mlps")
 OFFLOADS = ("none", "cpu", "cpu_pinned")
 

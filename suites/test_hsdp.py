@@ -1,7 +1,7 @@
 """HSDP training: shard within a replica group, all-reduce across replicas.
 
 Mesh ``(replicate, shard)`` = ``(ws // 2, 2)`` named ``("dp_replicate", "dp_shard")``. Every
-child (the LayerNorm too), optionally checkpointed, is its own group, then the root. 5
+child (the LayerNorm too), optionally checkpointed, is its own group, then the root. 3
 iterations of 3 microbatches, optionally syncing gradients only on the last; losses per
 microbatch, gradients and parameters per iteration, and the collectives: one reduce-scatter
 and one all-reduce per group per synced backward, and (without checkpointing) each
@@ -40,7 +40,8 @@ from suites.training import (
     train_with_parity,
 )
 
-ITERATIONS, MICROBATCHES = 5, 3
+#: Three iterations: fresh gradients, then after set-to-None, then after zeroing in place.
+ITERATIONS, MICROBATCHES = 3, 3
 GROUPS = 4  # the LayerNorm and three MLPs; the root owns no parameters
 HSDP_DIMS = ("dp_replicate", "dp_shard")
 

@@ -35,7 +35,11 @@ from suites.cases import conformance
 from suites.models import MLPStack, ModelArgs, Transformer
 from suites.training import STEPS, SUMMED_LOGITS_GRAD_TOLERANCE
 
-MLP_DIMS = (3, 5, 16, 17)
+#: Upstream uses 3, 5, 16 and 17. With dp = tp = 2 the odd ones shard alike: the column-
+#: parallel ``in_proj`` (4 * dim rows) splits evenly over tp and then dp, and the row-parallel
+#: ``out_proj`` (dim rows, sharded by fully_shard) splits unevenly (2+1, 3+2, 9+8). 3 keeps the
+#: uneven shape and 16 the even one.
+MLP_DIMS = (3, 16)
 
 
 def adam(params) -> torch.optim.Optimizer:

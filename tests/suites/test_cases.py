@@ -139,7 +139,7 @@ def test_composition_cases_are_rows_of_the_table():
             {"tp"},
             "UNSUPPORTED: needs capability activation_checkpointing",
         ),
-        ("replicate.tp", 4, "ac=False-dim=5", {"tp"}, "UNSUPPORTED: needs capability replicate"),
+        ("replicate.tp", 4, "ac=False-dim=3", {"tp"}, "UNSUPPORTED: needs capability replicate"),
         (
             "fsdp.tp.shard_placement_fn_tp_ep",
             8,
@@ -201,10 +201,10 @@ def test_composition_cpu_skip_applies_only_to_cpu_runs():
         ("dcp.continue_training", 4, "fsdp-to-fsdp-half", False),
         ("dcp.continue_training", 4, "fsdp-half-to-fsdp", True),  # exact, not a prefix
         ("dcp.continue_training", 8, "fsdp-to-fsdp", True),
-        ("fsdp.tp.2d_mesh", 4, "raf=True-ac=False-dim=17", False),
-        ("fsdp.tp.2d_mesh", 4, "raf=False-ac=False-dim=17", True),
-        ("fsdp.tp.3d_hsdp_mesh", 8, "raf=True-ac=False-dim=17", True),
-        ("replicate.tp", 4, "ac=False-dim=17", True),
+        ("fsdp.tp.2d_mesh", 4, "raf=True-ac=False-dim=3", False),
+        ("fsdp.tp.2d_mesh", 4, "raf=False-ac=False-dim=3", True),
+        ("fsdp.tp.3d_hsdp_mesh", 8, "raf=True-ac=False-dim=3", True),
+        ("replicate.tp", 4, "ac=False-dim=3", True),
         ("fsdp.tp.shard_placement_fn_tp_ep", 8, "tp=1-dpr=1-reshard=True", True),
     ],
 )
