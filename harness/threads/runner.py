@@ -170,6 +170,11 @@ class ThreadRunner:
                 capture.__exit__(None, None, None)
             world.rng.give_back_to_caller()
             sys.excepthook = excepthook
+            # DTensor's process-wide caches key by mesh, and a mesh of a rank thread differs
+            # from its peers' by the thread's ident only; the next run's threads reuse these
+            # idents in another order, so a cached plan holding one rank's shard sizes would
+            # serve another rank (tests/impl/test_torch_private_impl.py).
+            _torch_private.forget_dtensor_caches()
         result = RunResult(
             results=[r for r in runs if r is not None],
             seed=self.seed,

@@ -61,3 +61,34 @@ def test_concatenated_mesh_and_strided_shard_rebuild_the_full_tensor(rank_ctx):
         local, mesh, placements, run_check=False, shape=full.shape, stride=full.stride()
     )
     torch.testing.assert_close(sharded.full_tensor(), full)
+
+
+def _uneven_full_tensor_on_a_concatenated_mesh() -> list[float]:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    root = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    mesh = _torch_private.concatenate_meshes([root["dp"], root["tp"]])
+    # 5 rows split 3 + 2 over dp, then each dp shard over tp: the inner split, and so the
+    # redistribution plan, differs between dp coordinates.
+    whole = torch.arange(5.0)
+    gathered = distribute_tensor(whole, mesh, [Shard(0), Shard(0)]).full_tensor()
+    assert torch.equal(gathered, whole), f"rank {dist.get_rank()}: {gathered.tolist()}"
+    return gathered.tolist()
+
+
+def test_rank_threads_of_later_runs_never_get_an_earlier_runs_plans():
+    """On the thread launcher the ranks share DTensor's process-wide caches, which key by mesh
+    and keep per-rank plans (a redistribution plan holds the local shard sizes). Meshes of
+    rank threads differ by the thread's ident (torch's rule for the ``threaded`` backend),
+    and each run starts fresh threads that reuse the last run's idents in another order: a
+    rank got a peer's plan ("narrow unexpectedly changed concrete size on dim 0") in
+    26 of 30 runs before the runner cleared those caches after each run."""
+    from harness.threads import ThreadRunner
+
+    with ThreadRunner(4) as runner:
+        for attempt in range(10):
+            run = runner.run(_uneven_full_tensor_on_a_concatenated_mesh)
+            assert run.ok, f"run {attempt}:\n{run.describe()}"
+            assert run.values == [[0.0, 1.0, 2.0, 3.0, 4.0]] * 4
