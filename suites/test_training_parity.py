@@ -131,7 +131,7 @@ def run_multi_group(
         model_context=collective_delays(delays, rank_ctx.device, replicate=replicate),
         after_forward=host_delay("after_forward" in delays, rank_ctx.device),
         before_step=host_delay("before_optim" in delays, rank_ctx.device),
-        grad_tolerance=SUMMED_LOGITS_GRAD_TOLERANCE if replicate else None,
+        grad_tolerance=SUMMED_LOGITS_GRAD_TOLERANCE,
     )
 
 

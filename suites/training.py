@@ -39,8 +39,10 @@ STEPS = 3
 ACCELERATOR_DELAY_S = 0.1
 CPU_DELAY_S = 0.01
 #: ``Transformer.sum()`` over 3 x 64 x 1024 logits gives gradient entries around 2000 that
-#: cancel to single digits when averaged; a flat group buffer sums in another order than a
-#: per-parameter all-reduce (an ulp of 2048 is 1.2e-4). Still catches a factor of 2.
+#: cancel to single digits when averaged; the implementation's flat group buffers and the
+#: reference's one flat all-reduce (``harness.parity.average_gradients``) sum the ranks in
+#: orders of their own (an ulp of 2048 is 1.2e-4; seen at 4 ranks). Still catches a factor
+#: of 2.
 SUMMED_LOGITS_GRAD_TOLERANCE = (1e-3, 1e-3)
 CHECKPOINT_WRAPPER_PREFIX = "_checkpoint_wrapped_module."
 
