@@ -90,7 +90,7 @@ class ManagedParam:
         # Computed once: every sharded gradient (one per step) needs the global stride.
         self.global_stride = torch.empty(self.global_shape, device="meta").stride()
         # DTensor constructors by dtype, built once (see _torch_private.dtensor_factory).
-        self._grad_factory: _DTensorFactory | None = None
+        self._factory: _DTensorFactory | None = None
         self._unsharded_factory: _DTensorFactory | None = None
         if isinstance(self.placement, Shard):
             self.layout: ShardLayout | None = ShardLayout(
@@ -152,22 +152,20 @@ class ManagedParam:
         self.dtype = sharded_flat.dtype
 
     def _as_dtensor(self, local: torch.Tensor) -> DTensor:
-        # Not DTensor.from_local: it moves ``local`` to the mesh's device type, so a shard
-        # offloaded to the CPU (CPUOffloadPolicy on a cuda mesh) would be copied back to the
-        # accelerator, out of ``sharded_flat``. FSDP2 builds its sharded DTensors the same way.
-        return _torch_private.dtensor_factory(
-            self.mesh, self.placements, self.global_shape, self.global_stride, local.dtype
-        )(local)
+        """``local`` (a shard of the parameter or of its gradient) as a ``DTensor`` placed like
+        the sharded parameter, on ``local``'s own device.
 
-    def _as_sharded_grad(self, local_grad: torch.Tensor) -> DTensor:
-        """``local_grad`` as a ``DTensor`` placed like the sharded parameter, built without
-        ``from_local``'s autograd node (one per parameter per step: its cost shows)."""
-        if self._grad_factory is None or self._grad_factory[0] != local_grad.dtype:
+        Not ``DTensor.from_local``: it moves ``local`` to the mesh's device type, so a shard
+        offloaded to the CPU (CPUOffloadPolicy on a cuda mesh) became a copy on the
+        accelerator, outside ``sharded_flat`` (seen on an H100); and its autograd node, made
+        for every parameter's gradient every step, cost 15x the bare constructor.
+        """
+        if self._factory is None or self._factory[0] != local.dtype:
             factory = _torch_private.dtensor_factory(
-                self.mesh, self.placements, self.global_shape, self.global_stride, local_grad.dtype
+                self.mesh, self.placements, self.global_shape, self.global_stride, local.dtype
             )
-            self._grad_factory = (local_grad.dtype, factory)
-        return self._grad_factory[1](local_grad)
+            self._factory = (local.dtype, factory)
+        return self._factory[1](local)
 
     def sharded_local(self) -> torch.Tensor:
         """The sharded parameter's current local tensor (``module.to`` may have swapped it)."""
@@ -257,7 +255,7 @@ class ManagedParam:
         """Set or add ``local_grad`` (this rank's real rows) as the sharded gradient."""
         existing = self.sharded_param.grad
         if existing is None:
-            self.sharded_param.grad = self._as_sharded_grad(local_grad)
+            self.sharded_param.grad = self._as_dtensor(local_grad)
             return
         with torch.no_grad():
             existing.to_local().add_(local_grad)
