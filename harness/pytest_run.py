@@ -122,6 +122,21 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
     return True
 
 
+def pytest_terminal_summary(terminalreporter, config: pytest.Config) -> None:
+    """How many rank pools the session started: each start costs seconds (a fresh DTensor
+    warm-up on top of the spawn), so replaced pools are worth knowing about. Shown with
+    ``-v``, and whenever a test left its pool broken."""
+    pools = pools_of(config)
+    if pools is None or not pools.spawn_count:
+        return
+    if pools.recycle_count or config.get_verbosity() > 0:
+        terminalreporter.write_line(
+            f"distconform: started {pools.spawn_count} rank pool(s); {pools.recycle_count} "
+            f"replaced a pool that a test left broken (a failure, a hang or a hygiene "
+            f"violation; see the test's report)"
+        )
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
     report = yield

@@ -206,3 +206,16 @@ def test_a_rerun_keeps_the_failed_attempts_rank_report(pytester):
     assert 'name="rerun"' in junit
     assert "rank 1 failed: ValueError: the first attempt fails on rank 1" in junit
     assert 'value="0:passed 1:passed"' in junit  # the attempt that passed
+
+
+def test_the_summary_counts_pool_starts_and_replaced_pools(pytester):
+    pytester.makepyfile(test_pools_started=FAILING_MODULE)
+    result = run_inner(pytester)
+    # The failure on rank 1 broke the ws-2 pool: the next ws-2 test needed a new one.
+    result.stdout.fnmatch_lines(
+        ["distconform: started 3 rank pool(s); 1 replaced a pool that a test left broken*"]
+    )
+    quiet = run_inner(pytester, "-k", "test_passes")
+    assert "distconform: started" not in quiet.stdout.str()
+    verbose = run_inner(pytester, "-k", "test_passes", "-v")
+    verbose.stdout.fnmatch_lines(["distconform: started 2 rank pool(s); 0 replaced*"])
