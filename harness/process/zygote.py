@@ -39,6 +39,24 @@ def _preload() -> None:
     import harness.rank.execute  # noqa: F401
 
 
+#: How long the zygote waits without a request before it loads what ranks need later.
+_IDLE_S = 0.5
+
+
+def _warm_up_when_idle() -> None:
+    """Load, between requests, what a rank would otherwise load at first use.
+
+    ``torch._dynamo`` costs every rank 0.6 s of CPU at its first DTensor call (see
+    ``_torch_private.import_dynamo``). Importing it before the first pool would delay that
+    pool (a 1-test session by 0.5 s); once the first ranks are forked, the zygote is idle,
+    and every later pool (another world size, a fresh or replaced pool) forks with it loaded.
+    """
+    from harness import _torch_private
+
+    _torch_private.import_dynamo()
+    freeze_heap()
+
+
 def _exit_status(status: int) -> int:
     if os.WIFSIGNALED(status):
         return -os.WTERMSIG(status)
@@ -83,8 +101,14 @@ def serve(sock: socket.socket) -> None:
     # No watcher thread here: the zygote forks, so it must stay single-threaded.
     selector.register(0, selectors.EVENT_READ, "parent")
     children: set[int] = set()
+    warmed_up = False
     while True:
-        for key, _ in selector.select():
+        events = selector.select(None if warmed_up else _IDLE_S)
+        if not events:
+            _warm_up_when_idle()
+            warmed_up = True
+            continue
+        for key, _ in events:
             if key.data == "parent":
                 if not os.read(0, 4096):
                     return  # pytest is gone; our children die with us (parent-death signal)

@@ -145,3 +145,28 @@ def test_a_rank_that_dies_starting_shows_its_exception():
     crashed = [r for r in excinfo.value.results if r.outcome is Outcome.CRASHED]
     assert crashed, excinfo.value.results
     assert "Unknown backend type no_such_backend" in (crashed[0].output or "")
+
+
+def test_pools_started_after_the_first_fork_with_dynamo_loaded(pytester):
+    # The fork server imports torch._dynamo once it idles; DTensor's first call would
+    # otherwise import it in every rank of every pool (0.6 s of CPU each).
+    pytester.makepyfile(
+        test_warm="""
+        import sys
+        import time
+
+        import pytest
+
+
+        @pytest.mark.world_size(2)
+        def test_first_pool_forks_before_the_warm_up(rank_ctx):
+            time.sleep(3)  # the fork server is idle meanwhile
+
+
+        @pytest.mark.world_size(3)  # a new pool, started after the first test
+        def test_a_later_pool_has_it(rank_ctx):
+            assert "torch._dynamo" in sys.modules
+        """
+    )
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
+    result.assert_outcomes(passed=2)

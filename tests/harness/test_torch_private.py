@@ -35,6 +35,12 @@ def test_every_accessor_refuses_an_unaudited_torch(monkeypatch, version):
     assert "AUDITED_TORCH" in message
 
 
+def test_import_dynamo_refuses_an_unaudited_torch(monkeypatch):
+    monkeypatch.setattr(_torch_private, "installed_torch_version", lambda: (9, 99))
+    with pytest.raises(_torch_private.PrivateTorchAccessError, match="import_dynamo"):
+        _torch_private.import_dynamo()
+
+
 def test_the_installed_torch_is_audited():
     assert _torch_private.installed_torch_version() in _torch_private.AUDITED_TORCH
 
