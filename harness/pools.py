@@ -109,6 +109,9 @@ class PoolManager:
         started = time.monotonic()
         ends_at = None if must_end_by is None else must_end_by.ends_at
         start_budget = None if ends_at is None else max(1.0, ends_at - started)
+        if fresh:
+            # Ranks of its own: not the warm ones that earlier tests ran on.
+            self._discard(key, recycled=False)
         try:
             pool = self._acquire(key, start_budget)
         except PoolStartFailure as exc:

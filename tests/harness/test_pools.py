@@ -170,3 +170,42 @@ def test_pools_started_after_the_first_fork_with_dynamo_loaded(pytester):
     )
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
     result.assert_outcomes(passed=2)
+
+
+def test_a_fresh_pool_test_gets_ranks_no_other_test_used(pytester, monkeypatch):
+    pytester.makepyfile(
+        test_fresh="""
+        import os
+
+        import pytest
+
+        PIDS = os.environ["PIDS_FILE"]
+
+
+        def record(rank_ctx, name):
+            if rank_ctx.rank == 0:
+                with open(PIDS, "a") as handle:
+                    handle.write(f"{name} {os.getpid()}\\n")
+
+
+        @pytest.mark.world_size(2)
+        def test_a_warm(rank_ctx):
+            record(rank_ctx, "warm")
+
+
+        @pytest.mark.fresh_pool
+        @pytest.mark.world_size(2)
+        def test_b_fresh(rank_ctx):
+            record(rank_ctx, "fresh")
+
+
+        @pytest.mark.world_size(2)
+        def test_c_after(rank_ctx):
+            record(rank_ctx, "after")
+        """
+    )
+    pids_file = pytester.path / "pids.txt"
+    monkeypatch.setenv("PIDS_FILE", str(pids_file))
+    pytester.runpytest_subprocess("-p", "no:cacheprovider").assert_outcomes(passed=3)
+    pids = dict(line.split() for line in pids_file.read_text().splitlines())
+    assert len(set(pids.values())) == 3, pids
