@@ -39,8 +39,10 @@ def _preload() -> None:
     import harness.rank.execute  # noqa: F401
 
 
-#: How long the zygote waits without a request before it loads what ranks need later.
-_IDLE_S = 0.5
+#: How long the zygote waits without a request before it loads what ranks need later: a
+#: session still running by then is likely to start more pools, and a short one (a single
+#: test, pytest's own tests of a plugin) ends before it spends the CPU.
+_IDLE_S = 3.0
 
 
 def _warm_up_when_idle() -> None:
@@ -48,8 +50,9 @@ def _warm_up_when_idle() -> None:
 
     ``torch._dynamo`` costs every rank 0.6 s of CPU at its first DTensor call (see
     ``_torch_private.import_dynamo``). Importing it before the first pool would delay that
-    pool (a 1-test session by 0.5 s); once the first ranks are forked, the zygote is idle,
-    and every later pool (another world size, a fresh or replaced pool) forks with it loaded.
+    pool (a 1-test session by 0.5 s); once the first ranks are forked and the zygote has
+    idled ``_IDLE_S``, every later pool (another world size, a fresh or replaced pool) forks
+    with it loaded.
     """
     from harness import _torch_private
 

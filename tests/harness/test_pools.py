@@ -160,7 +160,7 @@ def test_pools_started_after_the_first_fork_with_dynamo_loaded(pytester):
 
         @pytest.mark.world_size(2)
         def test_first_pool_forks_before_the_warm_up(rank_ctx):
-            time.sleep(3)  # the fork server is idle meanwhile
+            time.sleep(6)  # the fork server idles 3 s, then imports
 
 
         @pytest.mark.world_size(3)  # a new pool, started after the first test
