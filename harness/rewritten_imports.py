@@ -50,7 +50,11 @@ def rewritten_modules() -> RewrittenModules:
 
 class _RewritingLoader(importlib.machinery.SourceFileLoader):
     def get_code(self, fullname: str) -> types.CodeType:
-        # Never the cached bytecode: a plain import may have written it without rewriting.
+        # Never Python's own cached bytecode: a plain import may have written it without
+        # rewriting. pytest's cache holds the parent's rewritten code.
+        cached = _pytest_private.cached_rewritten_code(self.path)
+        if cached is not None:
+            return cached
         return _pytest_private.rewritten_code(self.get_data(self.path), self.path)
 
 

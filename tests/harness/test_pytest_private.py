@@ -43,3 +43,46 @@ def test_assert_plain_leaves_ranks_unrewritten(pytester):
     assert _pytest_private.assertion_settings(pytester.parseconfig("--assert=plain")) is None
     settings = _pytest_private.assertion_settings(pytester.parseconfig("-vv"))
     assert settings is not None and settings.verbosity == 2
+
+
+def _write_pytest_pyc(source_path, code):
+    """A checked-hash pyc (PEP 552) where pytest's import hook keeps rewritten code."""
+    import importlib.util
+    import marshal
+
+    from _pytest.assertion.rewrite import PYC_TAIL
+
+    header = (
+        importlib.util.MAGIC_NUMBER
+        + b"\x03\x00\x00\x00"
+        + importlib.util.source_hash(source_path.read_bytes())
+    )
+    cache = source_path.parent / "__pycache__"
+    cache.mkdir(exist_ok=True)
+    (cache / (source_path.name[:-3] + PYC_TAIL)).write_bytes(header + marshal.dumps(code))
+
+
+def test_ranks_reuse_the_rewritten_code_pytest_cached_while_the_source_is_unchanged(tmp_path):
+    from harness.rewritten_imports import _RewritingLoader
+
+    source = tmp_path / "test_cached.py"
+    source.write_text("ORIGIN = 'source'\n")
+    _write_pytest_pyc(source, compile("ORIGIN = 'cache'\n", str(source), "exec"))
+    namespace: dict = {}
+    exec(_RewritingLoader("test_cached", str(source)).get_code("test_cached"), namespace)
+    assert namespace["ORIGIN"] == "cache"
+
+    source.write_text("ORIGIN = 'edited source'\n")  # the cache no longer matches
+    assert _pytest_private.cached_rewritten_code(str(source)) is None
+    namespace = {}
+    exec(_RewritingLoader("test_cached", str(source)).get_code("test_cached"), namespace)
+    assert namespace["ORIGIN"] == "edited source"
+
+
+def test_an_unaudited_pytest_never_reads_its_cache(tmp_path, monkeypatch):
+    source = tmp_path / "test_cached.py"
+    source.write_text("ORIGIN = 'source'\n")
+    _write_pytest_pyc(source, compile("ORIGIN = 'cache'\n", str(source), "exec"))
+    assert _pytest_private.cached_rewritten_code(str(source)) is not None
+    monkeypatch.setattr(pytest, "__version__", "9.3.0")
+    assert _pytest_private.cached_rewritten_code(str(source)) is None
