@@ -14,12 +14,39 @@ Process ranks also keep an always-on trace (``flight``) that the parent reads af
 hang or failure to name the first divergent collective in the report.
 """
 
-from harness.comm.divergence import Divergence, find_divergence
-from harness.comm.inject import busy_wait, delay_collectives, device_sleep, wrap_collectives
-from harness.comm.min_bytes import MinBytes, min_bytes_per_rank, padded_numel
-from harness.comm.records import CollectiveCall, RawCall
-from harness.comm.schedule import assert_schedule
-from harness.comm.tracer import CommTotals, CommTracer, format_schedule, mesh_group_labels
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from harness.comm.divergence import Divergence, find_divergence
+    from harness.comm.inject import busy_wait, delay_collectives, device_sleep, wrap_collectives
+    from harness.comm.min_bytes import MinBytes, min_bytes_per_rank, padded_numel
+    from harness.comm.records import CollectiveCall, RawCall
+    from harness.comm.schedule import assert_schedule
+    from harness.comm.tracer import CommTotals, CommTracer, format_schedule, mesh_group_labels
+
+# Loaded on first use: the interception modules import DTensor (a second of CPU), which
+# the pytest process must not pay just to read the flight traces of a failed test.
+_HOMES = {
+    "CollectiveCall": "records",
+    "CommTotals": "tracer",
+    "CommTracer": "tracer",
+    "Divergence": "divergence",
+    "MinBytes": "min_bytes",
+    "RawCall": "records",
+    "assert_schedule": "schedule",
+    "busy_wait": "inject",
+    "delay_collectives": "inject",
+    "device_sleep": "inject",
+    "find_divergence": "divergence",
+    "format_schedule": "tracer",
+    "mesh_group_labels": "tracer",
+    "min_bytes_per_rank": "min_bytes",
+    "padded_numel": "min_bytes",
+    "wrap_collectives": "inject",
+}
 
 __all__ = [
     "CollectiveCall",
@@ -39,3 +66,16 @@ __all__ = [
     "padded_numel",
     "wrap_collectives",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{home}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_HOMES})

@@ -21,11 +21,9 @@ import contextlib
 import json
 import os
 from collections import Counter
-from collections.abc import Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
-from harness.comm.divergence import find_divergence
+from harness.comm.flight_files import RING_HALF, enabled, trace_paths
 from harness.comm.intercept import Interceptor, Proceed
 from harness.comm.records import (
     POINT_TO_POINT,
@@ -36,18 +34,6 @@ from harness.comm.records import (
 )
 from harness.comm.tracer import CallNumbering
 from harness.outcomes import GroupLedger
-
-FLIGHT_ENV = "DISTCONFORM_COMM_FLIGHT"
-RING_HALF = 2000
-
-
-def trace_paths(directory: str | os.PathLike[str], rank: int) -> tuple[Path, Path]:
-    base = Path(directory)
-    return base / f"comm-rank{rank}.0.jsonl", base / f"comm-rank{rank}.1.jsonl"
-
-
-def enabled() -> bool:
-    return os.environ.get(FLIGHT_ENV, "1") not in ("0", "off", "false", "")
 
 
 class FlightRecorder(Interceptor):
@@ -148,37 +134,3 @@ def recording(directory: str | os.PathLike[str] | None, rank: int, task_id: int)
     if directory is None or not enabled():
         return contextlib.nullcontext()
     return FlightRecorder(directory, rank, task_id)
-
-
-def read_rank_trace(directory: str | os.PathLike[str], rank: int) -> list[CollectiveCall]:
-    """One rank's recorded calls, oldest first (a line cut short by a kill is dropped)."""
-    calls = []
-    for path in trace_paths(directory, rank):
-        try:
-            lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
-        except OSError:
-            continue
-        for line in lines[1:]:
-            with contextlib.suppress(ValueError, TypeError, KeyError):
-                calls.append(CollectiveCall.from_json(json.loads(line)))
-    return sorted(calls, key=lambda c: c.seq)
-
-
-def read_traces(
-    directory: str | os.PathLike[str] | None, world_size: int
-) -> dict[int, list[CollectiveCall]] | None:
-    if directory is None or not enabled():
-        return None
-    return {rank: read_rank_trace(directory, rank) for rank in range(world_size)}
-
-
-def diagnosis_note(
-    traces: Mapping[int, Sequence[CollectiveCall]] | None, rank_states: Mapping[int, str]
-) -> str | None:
-    """The report paragraph naming the first divergent collective, or None if none."""
-    if not traces:
-        return None
-    divergence = find_divergence(traces)
-    if divergence is None:
-        return None
-    return "collective trace: " + divergence.describe(rank_states)

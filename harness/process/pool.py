@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from harness.comm import flight as comm_flight
+from harness.comm import flight_files
 from harness.outcomes import (
     CLEAN_OUTCOMES,
     Outcome,
@@ -303,12 +303,12 @@ class ProcessPool:
         # harness/comm: read the ranks' collective traces before a kill removes the temp dir.
         traces = None
         if pending or any(r.outcome not in CLEAN_OUTCOMES for r in results.values()):
-            traces = comm_flight.read_traces(self._tmpdir, self.spec.world_size)
+            traces = flight_files.read_traces(self._tmpdir, self.spec.world_size)
         if pending:
             self._stop_unfinished(list(pending.values()), results, started, deadline, abort_at)
             notes.append(self._stop_note(results, deadline, abort_at, hard_stop))
         states = {rank: result.outcome.value for rank, result in results.items()}
-        if (comm_note := comm_flight.diagnosis_note(traces, states)) is not None:
+        if (comm_note := flight_files.diagnosis_note(traces, states)) is not None:
             notes.append(comm_note)
         self._attach_output(task, results, marks)
         if any(r.outcome not in CLEAN_OUTCOMES or r.hygiene for r in results.values()):

@@ -27,7 +27,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from harness.comm import flight
+from harness.comm import flight, flight_files
 from harness.outcomes import Outcome, RankResult, RunResult
 from harness.rank.context import RankContext
 from harness.rank.execute import run_task
@@ -118,7 +118,7 @@ class ThreadPool:
         (starting threads does not block)."""
         if self._runner is None:
             self._runner = ThreadRunner(self.world_size, capture_output=True)
-        if self._trace_dir is None and flight.enabled():
+        if self._trace_dir is None and flight_files.enabled():
             self._trace_dir = tempfile.mkdtemp(prefix="distconform-threads-", dir=self._temp_root)
 
     def run(self, task: RankTask, deadline: float, peer_grace: float) -> RunResult:
@@ -141,9 +141,9 @@ class ThreadPool:
         notes = list(run.harness_notes)
         if not run.ok:
             self.broken = True
-            traces = flight.read_traces(self._trace_dir, self.world_size)
+            traces = flight_files.read_traces(self._trace_dir, self.world_size)
             states = {r.rank: r.outcome.value for r in results}
-            if (comm_note := flight.diagnosis_note(traces, states)) is not None:
+            if (comm_note := flight_files.diagnosis_note(traces, states)) is not None:
                 notes.append(comm_note)
         return RunResult(
             results=results,

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from harness.comm import CollectiveCall, find_divergence
-from harness.comm.flight import FlightRecorder, diagnosis_note, read_rank_trace, trace_paths
+from harness.comm.flight import FlightRecorder
+from harness.comm.flight_files import diagnosis_note, read_rank_trace, trace_paths
 from harness.comm.records import RawCall
 
 
@@ -124,3 +127,14 @@ def test_the_next_task_starts_an_empty_trace(tmp_path):
     with FlightRecorder(tmp_path, rank=0, task_id=2, ring_half=2) as recorder:
         recorder.handle(_raw(9), lambda: None)
     assert [c.numel for c in read_rank_trace(tmp_path, 0)] == [9]
+
+
+def test_every_public_name_of_the_comm_package_resolves_on_first_use():
+    import harness.comm as comm
+
+    assert sorted(comm._HOMES) == sorted(comm.__all__)
+    for name in comm.__all__:
+        value = getattr(comm, name)
+        assert getattr(value, "__name__", name) == name
+    with pytest.raises(AttributeError, match="no_such_name"):
+        comm.no_such_name  # noqa: B018

@@ -172,6 +172,44 @@ def test_pools_started_after_the_first_fork_with_dynamo_loaded(pytester):
     result.assert_outcomes(passed=2)
 
 
+def test_the_pytest_process_runs_and_reports_tests_without_importing_dtensor(pytester):
+    # DTensor and what it pulls in (sympy, the symbolic shapes) cost a second of CPU; the
+    # pytest process only starts pools and reads the flight traces of a failed test.
+    pytester.makeconftest(
+        """
+        import sys
+
+
+        def pytest_sessionfinish(session):
+            with open("parent_modules.txt", "w") as handle:
+                handle.write("\\n".join(sorted(sys.modules)))
+        """
+    )
+    pytester.makepyfile(
+        test_parent="""
+        import pytest
+        import torch
+        import torch.distributed as dist
+
+
+        @pytest.mark.world_size(2)
+        def test_passes(rank_ctx):
+            dist.all_reduce(torch.ones(1))
+
+
+        @pytest.mark.world_size(2)
+        def test_fails_on_one_rank(rank_ctx):
+            dist.all_reduce(torch.ones(1))
+            assert rank_ctx.rank == 0
+        """
+    )
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
+    result.assert_outcomes(passed=1, failed=1)
+    modules = set((pytester.path / "parent_modules.txt").read_text().split())
+    assert "harness.process.pool" in modules and "harness.comm.flight_files" in modules
+    assert "torch.distributed.tensor" not in modules
+
+
 def test_a_fresh_pool_test_gets_ranks_no_other_test_used(pytester, monkeypatch):
     pytester.makepyfile(
         test_fresh="""

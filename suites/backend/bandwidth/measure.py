@@ -244,7 +244,7 @@ def _flight_recorder_off() -> Iterator[None]:
     """The harness's always-on collective trace writes a JSON line per call in the ranks
     (about 0.2 ms per call with thread ranks on a small machine): diagnostics a benchmark
     must not time. Ranks inherit the parent's environment; the caller's is restored."""
-    from harness.comm.flight import FLIGHT_ENV
+    from harness.comm.flight_files import FLIGHT_ENV
 
     saved = os.environ.get(FLIGHT_ENV)
     os.environ[FLIGHT_ENV] = "0"
