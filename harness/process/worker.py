@@ -119,6 +119,7 @@ def serve(spec: WorkerSpec) -> None:
     # torch and what imports it only once serving: see the module docstring.
     import torch
 
+    from harness.comm.intercept import hold_wrappers
     from harness.gc_freeze import freeze_heap
     from harness.outcomes import needs_barrier
     from harness.process.output import end_marker_line
@@ -128,6 +129,7 @@ def serve(spec: WorkerSpec) -> None:
     torch.set_num_threads(spec.threads)
     conn = Connection(spec.control_fd)
     base_ctx = _join_world(spec)
+    hold_wrappers()
     freeze_heap()  # what joining the world built lives as long as the rank
     conn.send(("ready", os.getpid()))
     while True:

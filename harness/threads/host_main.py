@@ -14,6 +14,7 @@ from multiprocessing.connection import Connection
 
 import torch
 
+from harness.comm.intercept import hold_wrappers
 from harness.gc_freeze import freeze_heap
 from harness.outcomes import Outcome, RankResult, RunResult
 from harness.process.output import end_marker_line
@@ -49,6 +50,7 @@ def serve_thread_host(spec: WorkerSpec) -> None:
     # Temp files in the parent's pool directory: the parent removes it even after a crash.
     pool = ThreadPool(spec.world_size, temp_root=os.path.dirname(spec.stack_path))
     pool.start()
+    hold_wrappers()
     freeze_heap()
     conn.send(("ready", os.getpid()))
     while True:

@@ -152,3 +152,19 @@ def test_busy_wait_and_device_sleep_guards():
             device_sleep(0.01)
     with pytest.raises(RuntimeError, match="needs an accelerator"):
         device_sleep(0.01, device="cpu")
+
+
+@pytest.mark.world_size(2)
+def test_ranks_hold_the_wrappers_across_tasks(rank_ctx):
+    # Installing and restoring all 65 wrappers around every task's flight recorder cost a
+    # tenth of a millisecond a test; the rank process (or the thread host) holds them
+    # instead, one user, and the flight recorders of the ranks in the process are the rest.
+    from harness.comm.flight_files import enabled
+
+    if not enabled():
+        pytest.skip("counts the flight recorders, which the environment turned off")
+    recorders = 1 if rank_ctx.launcher == "process" else rank_ctx.world_size
+    dist.barrier()  # thread launcher: every rank thread has entered its recorder
+    assert active_users() == 1 + recorders
+    assert leftover_patches()
+    dist.barrier()  # and none leaves it before all have looked
