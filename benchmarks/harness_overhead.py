@@ -310,6 +310,9 @@ def run_variant(
     timings = directory / f"timings-{variant.key}.json"
     log = directory / f"log-{variant.key}.txt"
     env = dict(os.environ, **_ONE_THREAD_ENV, **{TIMINGS_ENV: str(timings)})
+    # Python's default: the sessions cache compiled modules, pytest's rewritten test modules
+    # included, as on a user's machine (some sandboxes turn that off for every process).
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
     # The temp dir first on the path, so -p finds the timing plugin and the ranks of
     # torch's spawn-based classes can import the test module.
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(directory), env.get("PYTHONPATH", "")) if p)
