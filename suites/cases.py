@@ -405,17 +405,6 @@ def param_tokens(item: pytest.Item) -> tuple[str, tuple[str, ...]]:
     return "-".join(parts), tuple(parts)
 
 
-def _int_reshard_below_world(item: pytest.Item, world_size: int | None) -> bool:
-    callspec = getattr(item, "callspec", None)
-    if callspec is None or world_size is None:
-        return False
-    for value in callspec.params.values():
-        raf = value.get("raf") if isinstance(value, dict) else None
-        if isinstance(raf, int) and not isinstance(raf, bool) and raf < world_size:
-            return True
-    return False
-
-
 def _record_case(item: pytest.Item, row: Case, tokens: Iterable[str]) -> None:
     # User properties travel in every TestReport, across pytest-xdist too (items do not), so
     # the report can place a skipped item in its profile as well as one that ran.
@@ -434,7 +423,7 @@ def apply_case_table(
     capabilities_of: Callable[[str], frozenset[str]],
     world_size_of: Callable[[pytest.Item], int | None],
 ) -> list[pytest.Item]:
-    """Add the skips, ``slow`` and ``fresh_pool`` marks the case table asks for, and the user
+    """Add the skips and ``slow`` marks the case table asks for, and the user
     properties the conformance report reads; return the items that do not apply at all (an
     ``only_undeclared`` case's items for declared capabilities), for the caller to deselect.
 
@@ -455,8 +444,6 @@ def apply_case_table(
         _record_case(item, row, tokens)
         if not row.is_fast(param_id, world_size_of(item)):
             item.add_marker(pytest.mark.slow)
-        if _int_reshard_below_world(item, world_size_of(item)):
-            item.add_marker(pytest.mark.fresh_pool)
         if device_type == "cpu":
             reason = row.cpu_skip_reason(tokens)
             if reason is not None:
