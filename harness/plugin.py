@@ -187,6 +187,7 @@ def pytest_configure(config: pytest.Config) -> None:
         backend_plugins.activate(config.getoption("backend_plugin"))
     except backend_plugins.BackendPluginError as exc:
         raise pytest.UsageError(f"distconform: {exc}") from None
+    pytest_run.prestart_if_expected(config)  # before _settings_from imports torch
     try:
         settings = _settings_from(config)
     except ConfigError as exc:

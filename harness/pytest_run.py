@@ -31,6 +31,7 @@ from harness.session import (
     assertion_settings_of,
     external_world,
     pools_of,
+    requested_launcher,
     settings_of,
     world_size_of,
 )
@@ -80,14 +81,39 @@ def unconfigure(config: pytest.Config) -> None:
 # --- hooks ---------------------------------------------------------------------------------
 
 PRESTARTED_KEY = pytest.StashKey[bool]()
+# In pytest's cache: whether the last session in this rootdir collected distributed tests.
+RAN_DISTRIBUTED_CACHE_KEY = "distconform/collected_distributed_tests"
+
+
+def prestart_if_expected(config: pytest.Config) -> None:
+    """Start the rank fork server at once when the last session here collected distributed
+    tests: its torch import then runs beside the pytest process's own, not after it.
+
+    Called before anything in this process imports torch. Otherwise the first distributed
+    test collected starts it (``pytest_itemcollected``).
+    """
+    cache = getattr(config, "cache", None)  # None with -p no:cacheprovider
+    if cache is None or config.option.collectonly:
+        return
+    if requested_launcher(config) not in ("process", "thread"):
+        return
+    if cache.get(RAN_DISTRIBUTED_CACHE_KEY, False) is True:
+        config.stash[PRESTARTED_KEY] = True
+        shared_zygote().prestart()
 
 
 @pytest.hookimpl(trylast=True)
 def pytest_collection_finish(session: pytest.Session) -> None:
-    """Freeze what collection left on the heap (torch, DTensor, the items) out of the
-    garbage collector's reach: every full collection during the tests would walk it all
-    again. Worth 3 ms a trivial distributed test on 2 cores."""
-    if any(world_size_of(item) is not None for item in session.items):
+    """Remember for the next session whether this one has distributed tests, and freeze
+    what collection left on the heap (torch, DTensor, the items) out of the garbage
+    collector's reach: every full collection during the tests would walk it all again.
+    Worth 3 ms a trivial distributed test on 2 cores."""
+    distributed = any(world_size_of(item) is not None for item in session.items)
+    cache = getattr(session.config, "cache", None)
+    # An xdist controller collects no items of its own: only its workers can tell.
+    if cache is not None and session.items:
+        cache.set(RAN_DISTRIBUTED_CACHE_KEY, distributed)
+    if distributed:
         freeze_heap()
 
 

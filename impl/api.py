@@ -20,10 +20,11 @@ import importlib
 import os
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
+if TYPE_CHECKING:  # the pytest process loads this with the conformance plugin, before torch
+    from torch import nn
+    from torch.distributed.device_mesh import DeviceMesh
 
 ENV_VAR = "DISTCONFORM_IMPL"
 DEFAULT_SPEC = "reference"

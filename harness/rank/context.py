@@ -6,10 +6,13 @@ import contextlib
 import contextvars
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
-import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
+# torch only where a rank uses it: the pytest process imports this module with the plugin,
+# before the fork server, which starts then, has imported torch in parallel.
+if TYPE_CHECKING:
+    import torch
+    import torch.distributed as dist
 
 _current: contextvars.ContextVar[RankContext | None] = contextvars.ContextVar(
     "distconform_rank_context", default=None
@@ -34,6 +37,8 @@ class RankContext:
     @property
     def group(self) -> dist.ProcessGroup:
         """The default process group, initialised by the harness before the test starts."""
+        import torch.distributed as dist
+
         group = dist.group.WORLD
         if group is None:
             raise RuntimeError("the default process group is not initialised in this rank")
@@ -60,9 +65,13 @@ class RankContext:
             raise ValueError(
                 f"mesh shape {shape} covers {total} ranks but the world has {self.world_size}"
             )
+        from torch.distributed.device_mesh import init_device_mesh
+
         return init_device_mesh(self.device_type, tuple(shape), mesh_dim_names=names)
 
     def barrier(self) -> None:
+        import torch.distributed as dist
+
         dist.barrier()
 
 

@@ -210,6 +210,55 @@ def test_the_pytest_process_runs_and_reports_tests_without_importing_dtensor(pyt
     assert "torch.distributed.tensor" not in modules
 
 
+def test_the_plugins_load_without_torch():
+    # So the fork server, started before the pytest process imports torch, imports it at
+    # the same time (two cores) instead of after it.
+    import subprocess
+    import sys
+
+    code = "import sys, harness.plugin, conformance.plugin; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False", out.stderr
+
+
+def test_the_fork_server_starts_at_configure_when_the_last_session_had_distributed_tests(
+    pytester,
+):
+    pytester.makeconftest(
+        """
+        import pytest
+
+        from harness.process.spawning import shared_zygote
+
+
+        @pytest.hookimpl(trylast=True)
+        def pytest_configure(config):
+            with open("fork_server_at_configure.txt", "a") as handle:
+                handle.write(f"{shared_zygote().pid is not None}\\n")
+        """
+    )
+    pytester.makepyfile(
+        test_one="""
+        import pytest
+
+
+        @pytest.mark.world_size(2)
+        def test_distributed(rank_ctx):
+            pass
+        """,
+        test_plain="""
+        def test_plain():
+            pass
+        """,
+    )
+    for args in (["test_one.py"], ["test_one.py"], ["test_plain.py"], ["test_plain.py"]):
+        pytester.runpytest_subprocess(*args).assert_outcomes(passed=1)
+    started = (pytester.path / "fork_server_at_configure.txt").read_text().split()
+    # The first session knows nothing yet; a session after one without distributed tests
+    # waits for its first distributed test, as before.
+    assert started == ["False", "True", "True", "False"]
+
+
 def test_a_fresh_pool_test_gets_ranks_no_other_test_used(pytester, monkeypatch):
     pytester.makepyfile(
         test_fresh="""
