@@ -65,7 +65,9 @@ def pytest_sessionfinish(session):
 
 _INI = """[pytest]
 # An empty config of its own: the repository's addopts and timeouts must not apply here.
-addopts = -p no:cacheprovider -p no:benchmark
+# pytest's cache stays on, as in a user's checkout: the sessions share this directory, so
+# all but the first find the previous one's (the fork server then starts at configure).
+addopts = -p no:benchmark
 """
 
 # One torch thread everywhere, so every variant does the same work per rank; the
