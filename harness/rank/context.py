@@ -9,7 +9,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 # torch only where a rank uses it: the pytest process imports this module with the plugin,
-# before the fork server, which starts then, has imported torch in parallel.
+# while the fork server it may start at configure imports torch on the other core
+# (harness.pytest_run.prestart_if_expected).
 if TYPE_CHECKING:
     import torch
     import torch.distributed as dist
