@@ -6,7 +6,7 @@ temp dir, *before* the collective is issued, with one unbuffered ``write``: a ra
 in the collective, or killed in it, has already recorded it. The files are a ring of two
 halves of ``RING_HALF`` calls each, so a long test keeps its latest calls in bounded
 space. The parent reads them after a failure or hang, before it removes the directory,
-and :func:`diagnosis_note` names the first collective where the ranks diverge.
+and ``flight_files.diagnosis_note`` names the first collective where the ranks diverge.
 
 It sees what the cheap interception paths see (harness/comm/intercept.py): the
 ``torch.distributed`` collectives, ``isend``/``irecv`` (through ``ProcessGroup``'s
