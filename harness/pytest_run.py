@@ -93,12 +93,15 @@ def prestart_if_expected(config: pytest.Config) -> None:
     test collected starts it (``pytest_itemcollected``).
     """
     cache = getattr(config, "cache", None)  # None with -p no:cacheprovider
-    if cache is None or config.option.collectonly:
-        return
-    if requested_launcher(config) not in ("process", "thread"):
-        return
-    if cache.get(RAN_DISTRIBUTED_CACHE_KEY, False) is True:
-        config.stash[PRESTARTED_KEY] = True
+    if cache is not None and cache.get(RAN_DISTRIBUTED_CACHE_KEY, False) is True:
+        _start_fork_server(config, requested_launcher(config))
+
+
+def _start_fork_server(config: pytest.Config, launcher: str) -> None:
+    """Start it once per session, for the launchers that fork ranks from it, and never for
+    a session that only collects."""
+    config.stash[PRESTARTED_KEY] = True
+    if launcher in ("process", "thread") and not config.option.collectonly:
         shared_zygote().prestart()
 
 
@@ -121,13 +124,8 @@ def pytest_itemcollected(item: pytest.Item) -> None:
     """At the first distributed test collected, start the rank fork server: its torch
     import then overlaps the rest of collection instead of delaying the first test."""
     config = item.config
-    if config.stash.get(PRESTARTED_KEY, False) or world_size_of(item) is None:
-        return
-    if config.option.collectonly:
-        return
-    config.stash[PRESTARTED_KEY] = True
-    if settings_of(config).launcher in ("process", "thread"):
-        shared_zygote().prestart()
+    if not config.stash.get(PRESTARTED_KEY, False) and world_size_of(item) is not None:
+        _start_fork_server(config, settings_of(config).launcher)
 
 
 @pytest.hookimpl(tryfirst=True)
