@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+import os
+import shutil
 
 import pytest
 
-from harness.comm import CollectiveCall, find_divergence
+from harness.comm import CollectiveCall, find_divergence, flight
 from harness.comm.flight import FlightRecorder
 from harness.comm.flight_files import diagnosis_note, read_rank_trace, trace_paths
 from harness.comm.records import RawCall
@@ -127,6 +129,70 @@ def test_the_next_task_starts_an_empty_trace(tmp_path):
     with FlightRecorder(tmp_path, rank=0, task_id=2, ring_half=2) as recorder:
         recorder.handle(_raw(9), lambda: None)
     assert [c.numel for c in read_rank_trace(tmp_path, 0)] == [9]
+
+
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_a_rank_reuses_its_open_trace_files_from_task_to_task(tmp_path):
+    before = _open_fds()
+    for task in range(1, 30):
+        with FlightRecorder(tmp_path, rank=0, task_id=task, ring_half=2) as recorder:
+            for n in range(task % 5):
+                recorder.handle(_raw(n), lambda: None)
+        assert [c.numel for c in read_rank_trace(tmp_path, 0)] == list(range(task % 5))
+        header = trace_paths(tmp_path, 0)[0].read_text().splitlines()[0]
+        assert json.loads(header) == {"task": task}
+    assert _open_fds() - before <= 2  # one pair, kept open for the next task
+
+
+def test_nested_recorders_of_one_rank_each_keep_their_own_trace(tmp_path):
+    outer_dir, inner_dir = tmp_path / "pool", tmp_path / "test"
+    outer_dir.mkdir()
+    inner_dir.mkdir()
+    with FlightRecorder(outer_dir, rank=1, task_id=1) as outer:
+        outer.handle(_raw(1), lambda: None)
+        with FlightRecorder(inner_dir, rank=1, task_id=7) as inner:
+            inner.handle(_raw(2), lambda: None)
+        outer.handle(_raw(3), lambda: None)
+    assert [c.numel for c in read_rank_trace(outer_dir, 1)] == [1, 3]
+    assert [c.numel for c in read_rank_trace(inner_dir, 1)] == [2]
+
+
+def test_a_removed_trace_directory_gets_new_files(tmp_path):
+    directory = tmp_path / "pool"
+    directory.mkdir()
+    with FlightRecorder(directory, rank=0, task_id=1) as recorder:
+        recorder.handle(_raw(1), lambda: None)
+    shutil.rmtree(directory)
+    directory.mkdir()
+    with FlightRecorder(directory, rank=0, task_id=2) as recorder:
+        recorder.handle(_raw(2), lambda: None)
+    assert [c.numel for c in read_rank_trace(directory, 0)] == [2]
+
+
+def test_an_abandoned_recorder_gives_its_files_to_nobody(tmp_path):
+    hung = FlightRecorder(tmp_path, rank=0, task_id=1)
+    hung.__enter__()
+    hung.handle(_raw(1), lambda: None)
+    hung.abandon()
+    with FlightRecorder(tmp_path, rank=0, task_id=2) as recorder:
+        recorder.handle(_raw(2), lambda: None)
+        with pytest.raises(OSError):  # the hung thread's late call lands nowhere
+            hung.handle(_raw(3), lambda: None)
+    assert [c.numel for c in read_rank_trace(tmp_path, 0)] == [2]
+
+
+def test_files_of_short_lived_directories_stay_bounded(tmp_path):
+    before = _open_fds()
+    for index in range(40):
+        directory = tmp_path / str(index)
+        directory.mkdir()
+        with FlightRecorder(directory, rank=0, task_id=1) as recorder:
+            recorder.handle(_raw(1), lambda: None)
+        shutil.rmtree(directory)
+    assert _open_fds() - before <= 2 * flight._MAX_IDLE
 
 
 def test_every_public_name_of_the_comm_package_resolves_on_first_use():
