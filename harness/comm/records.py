@@ -363,9 +363,7 @@ def bind_dist_call(name: str, func: Callable[..., Any], args: tuple, kwargs: dic
         kind, in_params, out_params, peer_param = BARRIER, (), (), None
     else:
         kind, in_params, out_params, peer_param = DIST_FUNCTIONS[name]
-    bound = _signature(func).bind(*args, **kwargs)
-    bound.apply_defaults()
-    values = bound.arguments
+    values = _binder(func).bind(args, kwargs)
     inputs = [t for p in in_params for t in flatten_tensors(values.get(p))]
     outputs = [t for p in out_params for t in flatten_tensors(values.get(p))]
     site, phase = site_and_phase()
@@ -383,13 +381,49 @@ def bind_dist_call(name: str, func: Callable[..., Any], args: tuple, kwargs: dic
     )
 
 
-_signatures: dict[Any, inspect.Signature] = {}
+class _ArgumentBinder:
+    """A function's arguments by parameter name, defaults filled in.
+
+    ``inspect.Signature.bind`` costs several microseconds, on every collective of every
+    rank; the collectives take plain parameters, so a call that passes them in order or
+    by name is bound with two dict updates. Anything else (too many arguments, an unknown
+    or repeated name) goes to ``Signature.bind``, which raises what Python would.
+    """
+
+    def __init__(self, func: Callable[..., Any]) -> None:
+        self._signature = inspect.signature(func)
+        params = self._signature.parameters.values()
+        plain = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+        self._simple = all(p.kind in plain for p in params)
+        self._positional = tuple(
+            p.name for p in params if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD
+        )
+        self._names = frozenset(p.name for p in params)
+        self._defaults = {p.name: p.default for p in params if p.default is not p.empty}
+
+    def bind(self, args: tuple, kwargs: dict) -> dict[str, Any]:
+        if (
+            self._simple
+            and len(args) <= len(self._positional)
+            and self._names.issuperset(kwargs)
+            and not any(name in kwargs for name in self._positional[: len(args)])
+        ):
+            values = dict(self._defaults)
+            values.update(zip(self._positional, args, strict=False))
+            values.update(kwargs)
+            return values
+        bound = self._signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        return dict(bound.arguments)
 
 
-def _signature(func: Callable[..., Any]) -> inspect.Signature:
-    found = _signatures.get(func)
+_binders: dict[Any, _ArgumentBinder] = {}
+
+
+def _binder(func: Callable[..., Any]) -> _ArgumentBinder:
+    found = _binders.get(func)
     if found is None:
-        found = _signatures[func] = inspect.signature(func)
+        found = _binders[func] = _ArgumentBinder(func)
     return found
 
 
