@@ -16,10 +16,6 @@ LAUNCHERS = ("process", "thread", "external")
 THREADED_BACKEND = "threaded"
 DEFAULT_DEADLINE_S = 300.0
 DEFAULT_PEER_GRACE_S = 2.0
-# Environment variables that change while a session runs without meaning anything to
-# the ranks: pytest sets the current test's id, and torch points its compiler caches
-# at a default directory the first time anything imports inductor.
-VOLATILE_ENV = frozenset({"PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"})
 
 
 class ConfigError(ValueError):

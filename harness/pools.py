@@ -9,14 +9,13 @@ because an earlier test broke a pool.
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Protocol
 
-from harness.config import VOLATILE_ENV
 from harness.deadline import OuterLimit, pg_timeout_for
+from harness.environ import lasting_items, raw_environment
 from harness.outcomes import Outcome, RankResult, RunResult, demote_secondary_failures
 from harness.task import RankTask
 
@@ -69,18 +68,13 @@ class PoolStartFailure(RuntimeError):
 PoolFactory = Callable[[PoolKey], RankPool]
 
 
-def env_fingerprint(environ: dict[str, str] | None = None) -> int:
+def env_fingerprint() -> int:
     """A digest of the environment ranks inherit: a changed variable means a new pool.
 
     Computed for every test, so it is a set hash (C speed, no sorting); it only has to
     be stable within this process.
     """
-    environ = os.environ if environ is None else environ
-    return hash(frozenset(environ.items()) - _volatile_items(environ))
-
-
-def _volatile_items(environ) -> frozenset[tuple[str, str]]:
-    return frozenset((k, environ[k]) for k in VOLATILE_ENV if k in environ)
+    return hash(lasting_items(raw_environment()))
 
 
 class PoolManager:

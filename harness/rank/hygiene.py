@@ -10,7 +10,6 @@ so the next test starts clean, and the test gets a warning naming the leak.
 from __future__ import annotations
 
 import gc
-import os
 import threading
 import time
 from dataclasses import dataclass
@@ -21,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from harness import _torch_private
-from harness.config import VOLATILE_ENV
+from harness.environ import changed_variables, raw_environment
 
 # Threads that finish on their own shortly after a test (autograd, timers) get this
 # long before they count as leaked.
@@ -31,7 +30,7 @@ _THREAD_GRACE_S = 0.5
 @dataclass(frozen=True)
 class Snapshot:
     threads: frozenset[int]
-    env: dict[Any, Any]  # see _environment
+    env: dict[Any, Any]  # harness.environ.raw_environment()
     groups: frozenset[int]
     torch_globals: dict[str, object]
 
@@ -47,29 +46,11 @@ def _torch_globals() -> dict[str, object]:
     }
 
 
-def _environment() -> dict[Any, Any]:
-    """The environment as the interpreter holds it: bytes on POSIX.
-
-    Twice a test on every rank: ``dict(os.environ)`` decodes every entry (70 entries cost
-    30 us, the largest part of a trivial test's hygiene); copying the mapping behind it
-    costs 1 us. Where the interpreter keeps no such mapping, the decoded copy serves.
-    """
-    raw = getattr(os.environ, "_data", None)
-    return dict(raw) if isinstance(raw, dict) else dict(os.environ)
-
-
-def _env_text(value: Any) -> Any:
-    return os.fsdecode(value) if isinstance(value, bytes) else value
-
-
-_VOLATILE_KEYS = VOLATILE_ENV | {os.fsencode(key) for key in VOLATILE_ENV}
-
-
 def take_snapshot() -> Snapshot:
     groups = _torch_private.live_process_groups() if dist.is_initialized() else []
     return Snapshot(
         threads=frozenset(t.ident for t in threading.enumerate() if t.ident is not None),
-        env=_environment(),
+        env=raw_environment(),
         groups=frozenset(id(g) for g in groups),
         torch_globals=_torch_globals(),
     )
@@ -142,16 +123,7 @@ def _is_harness_thread(thread: threading.Thread) -> bool:
 
 
 def _changed_env(before: Snapshot) -> list[str]:
-    after = _environment()
-    if after == before.env:
-        return []
-    changes = []
-    for key in sorted((before.env.keys() | after.keys()) - _VOLATILE_KEYS):
-        old, new = before.env.get(key), after.get(key)
-        if old != new:
-            old, new = _env_text(old), _env_text(new)
-            changes.append(f"environment variable {_env_text(key)} changed from {old!r} to {new!r}")
-    return changes
+    return changed_variables(before.env, raw_environment())
 
 
 def check_default_group(timeout: float) -> list[str]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from harness.config import VOLATILE_ENV
+from harness.environ import VOLATILE_ENV
 from harness.rank import hygiene
 
 
