@@ -6,11 +6,12 @@ skip/xfail classification), but on the runner's rank threads. A rank whose task 
 pass aborts the run at once, so its peers are released from their collectives instead of
 waiting for the deadline.
 
-The pool holds no c10d state between tasks (each run builds a fresh world), so a failed
-task needs no recycling; it is still marked broken after anything but a clean pass,
-because recycling costs nothing here and the test may have changed process-global
-state. After a hang the abandoned threads live on: the caller should replace the host
-process, as the runner says.
+The runner's rank threads and their groups serve task after task, as a process pool's
+ranks do; the runner itself starts new groups after a run that did not pass. The pool is
+still marked broken after anything but a clean pass: the test may have changed
+process-global state, and the thread host (harness/threads/host.py) is then replaced.
+After a hang the abandoned threads live on: the caller should replace the host process,
+as the runner says.
 
 Each rank thread records its collectives like a rank process does (harness/comm/flight.py),
 into files in the pool's private temp dir; after a run that did not pass, the report names

@@ -5,12 +5,18 @@
     result.raise_on_failure()  # harness.outcomes.RunFailedError
     result.values  # [fn's return value on rank 0, 1, 2, 3]
 
-Each run starts N fresh threads that each call ``init_process_group("threaded")`` on a
-world shared only by that run, run ``fn(*args, **kwargs)``, and destroy their groups.
-Threads are cheap next to the rest of a test (~0.1 ms each, first torch op included);
-fresh threads and a fresh world per run mean nothing leaks from one run into the next:
-not a stray async collective, a subgroup or an abort flag, nor torch's thread-local
-state (grad mode, autocast) that a test left changed.
+The runner keeps N rank threads for its life, like a warm pool keeps rank processes: each
+joined the ``threaded`` default group once, at its first run, and runs ``fn(*args,
+**kwargs)`` for every run after. Starting threads and joining and leaving a group cost
+1.3 ms a run, more than a trivial test itself. What one run leaves, the next does not see:
+ * groups the run created are destroyed on every rank thread when it ends;
+ * torch's thread-local switches are checked after each run against a fresh thread's
+   (grad mode, inference mode, autocast, the default device): a rank thread that was left
+   with one changed gives way to a fresh thread, and a run that destroyed the default
+   group leaves it to the next run to join new groups (below);
+ * after a run that did not pass (a failure, an abort, unmatched collectives), the next
+   run starts a new world: every rank thread leaves its groups and joins new ones, so no
+   stray collective or abort flag of the failed run reaches it.
 
 Isolation (see :mod:`harness.threads.world` for why one rank runs at a time):
  * RNG: every rank starts from ``seed`` for torch's CPU generator, ``random`` and numpy's
@@ -36,6 +42,7 @@ while it is installed.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import threading
 import time
@@ -44,6 +51,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from harness import _torch_private
@@ -81,6 +89,30 @@ def _is_secondary(error: BaseException) -> bool:
     return False
 
 
+class _Job:
+    """One run as the rank threads see it."""
+
+    def __init__(
+        self,
+        world: ThreadWorld,
+        store: RunStore,
+        fn: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> None:
+        self.world = world
+        self.store = store
+        self.fn = fn
+        self.args = args
+        self.kwargs = kwargs
+        n = world.world_size
+        self.runs: list[RankResult | None] = [None] * n
+        #: Per rank: why its groups cannot serve the next run (None: they can).
+        self.spoiled: list[str | None] = [None] * n
+        #: Per rank: its thread left torch's thread-local state changed, and retires.
+        self.retired = [False] * n
+
+
 class ThreadRunner:
     """Runs functions on ``world_size`` rank threads; see the module docstring."""
 
@@ -100,6 +132,14 @@ class ThreadRunner:
         self.capture_output = capture_output
         self.unusable_reason: str | None = None
         self._zombies: list[threading.Thread] = []
+        self._threads: list[threading.Thread] = []
+        # The world the rank threads' groups belong to; None: the next run makes a new one.
+        self._world: ThreadWorld | None = None
+        self._store: RunStore | None = None
+        self._jobs = threading.Condition()
+        self._job: _Job | None = None
+        self._job_number = 0
+        self._closing = False
         register_threaded_backend()
         _torch_private.install_thread_local_c10d_world()
         self._installed = True
@@ -114,16 +154,24 @@ class ThreadRunner:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def close(self) -> None:
-        """Uninstall the thread-local c10d world (idempotent).
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop the rank threads and uninstall the thread-local c10d world (idempotent).
 
         Hung threads left by an abandoned run stay alive (threads cannot be killed); they
         are daemon threads, and their c10d cleanup is skipped so they cannot touch the
         process-wide c10d state after this.
         """
-        if self._installed:
-            self._installed = False
-            _torch_private.uninstall_thread_local_c10d_world()
+        if not self._installed:
+            return
+        with self._jobs:
+            self._closing = True
+            self._jobs.notify_all()
+        end = time.monotonic() + timeout
+        for thread in self._threads:
+            if thread not in self._zombies:
+                thread.join(max(0.0, end - time.monotonic()))
+        self._installed = False
+        _torch_private.uninstall_thread_local_c10d_world()
 
     def run(
         self, fn: Callable[..., Any], *args: Any, deadline: float | None = None, **kwargs: Any
@@ -133,50 +181,36 @@ class ThreadRunner:
             raise RunnerUnusableError("ThreadRunner is closed")
         if self.unusable_reason is not None:
             raise RunnerUnusableError(self.unusable_reason)
+        self._start_threads()
         limit = self.deadline if deadline is None else deadline
-        world = ThreadWorld(self.world_size, self.seed)
-        store = RunStore(world, timeout=timedelta(seconds=limit))
-        runs: list[RankResult | None] = [None] * self.world_size
+        job = self._next_job(fn, args, kwargs, limit)
+        world = job.world
         excepthook = sys.excepthook  # init_process_group wraps it on every call
         start = time.monotonic()
-        threads = [
-            threading.Thread(
-                target=self._rank_main,
-                args=(world, store, rank, runs, fn, args, kwargs, limit),
-                name=f"distconform-rank{rank}",
-                daemon=True,  # a hung rank must not keep the interpreter alive at exit
-            )
-            for rank in range(self.world_size)
-        ]
         capture = RankOutputCapture(self.world_size) if self.capture_output else None
+        notes: list[str] = []
         try:
             if capture is not None:
                 capture.__enter__()
-            for thread in threads:
-                thread.start()
+            with self._jobs:
+                self._job = job
+                self._job_number += 1
+                self._jobs.notify_all()
             try:
                 finished = self._wait(world, start + limit)
             except BaseException:  # KeyboardInterrupt: release the ranks before leaving
                 world.abandon("the runner was interrupted")
+                self.unusable_reason = "a run was interrupted; replace this runner"
                 raise
-            notes: list[str] = []
             if not finished:
-                self._abandon(world, threads, runs, limit)
-            for thread in threads:
-                if not thread.is_alive():
-                    thread.join()
+                self._abandon(world, job.runs, limit)
         finally:
             if capture is not None:
                 capture.__exit__(None, None, None)
             world.rng.give_back_to_caller()
             sys.excepthook = excepthook
-            # DTensor's process-wide caches key by mesh, and a mesh of a rank thread differs
-            # from its peers' by the thread's ident only; the next run's threads reuse these
-            # idents in another order, so a cached plan holding one rank's shard sizes would
-            # serve another rank (tests/impl/test_torch_private_impl.py).
-            _torch_private.forget_dtensor_caches()
         result = RunResult(
-            results=[r for r in runs if r is not None],
+            results=[r for r in job.runs if r is not None],
             seed=self.seed,
             deadline=limit,
             started_at=start,
@@ -193,7 +227,47 @@ class ThreadRunner:
             for run in result.results:
                 run.outcome = Outcome.FAILED
             notes.append("unmatched collectives at the end of the run: " + "; ".join(leftovers))
+        spoiled = [f"rank {rank}: {why}" for rank, why in enumerate(job.spoiled) if why]
+        if spoiled:
+            notes.append("the next run gets new groups: " + "; ".join(spoiled))
+        if not result.ok or spoiled:
+            self._world = self._store = None  # the next run joins a new world
+        for rank, retired in enumerate(job.retired):
+            if retired:  # replaced by a fresh thread at the next run
+                self._threads[rank].join(_UNWIND_GRACE_S)
         return result
+
+    def _start_threads(self) -> None:
+        """Start every rank thread the first time, and later each one that retired."""
+        if not self._threads:
+            self._threads = [self._new_thread(rank) for rank in range(self.world_size)]
+            for thread in self._threads:
+                thread.start()
+            return
+        for rank, thread in enumerate(self._threads):
+            if not thread.is_alive():
+                self._threads[rank] = self._new_thread(rank)
+                self._threads[rank].start()
+                self._world = self._store = None  # a fresh thread has no groups to share
+
+    def _new_thread(self, rank: int) -> threading.Thread:
+        return threading.Thread(
+            target=self._rank_main,
+            args=(rank, self._job_number),  # it starts with the next job
+            name=f"distconform-rank{rank}",
+            daemon=True,  # a hung rank must not keep the interpreter alive at exit
+        )
+
+    def _next_job(
+        self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], limit: float
+    ) -> _Job:
+        if self._world is None or self._store is None:
+            self._world = ThreadWorld(self.world_size, self.seed)
+            self._store = RunStore(self._world, timeout=timedelta(seconds=limit))
+        else:
+            self._world.begin_run(self.seed)
+            self._store.set_timeout(timedelta(seconds=limit))
+        return _Job(self._world, self._store, fn, args, kwargs)
 
     def _wait(self, world: ThreadWorld, end: float) -> bool:
         with world.lock:
@@ -204,31 +278,25 @@ class ThreadRunner:
                 world.main_cond.wait(remaining)
         return True
 
-    def _abandon(
-        self,
-        world: ThreadWorld,
-        threads: list[threading.Thread],
-        runs: list[RankResult | None],
-        limit: float,
-    ) -> None:
+    def _abandon(self, world: ThreadWorld, runs: list[RankResult | None], limit: float) -> None:
         frames = sys._current_frames()
+        states = world.describe_states()
         stacks = {
             rank: "".join(traceback.format_stack(frames[t.ident]))
-            for rank, t in enumerate(threads)
-            if t.ident in frames and t.is_alive()
+            for rank, t in enumerate(self._threads)
+            if t.ident in frames and states[rank] != "finished"
         }
-        states = world.describe_states()
         world.abandon(f"the run passed its {limit:g} s deadline")
         # Ranks that were waiting get released by the abandon and unwind quickly; the one
         # that was running is the hung one and will not, so nobody waits for it.
         grace_end = time.monotonic() + _UNWIND_GRACE_S
-        for rank, thread in enumerate(threads):
-            if states[rank] != "running":
-                thread.join(max(0.0, grace_end - time.monotonic()))
+        waiting = [r for r, state in states.items() if state not in ("running", "finished")]
+        while time.monotonic() < grace_end and not all(world.has_left(r) for r in waiting):
+            time.sleep(0.01)
         now = time.monotonic()
-        for rank, thread in enumerate(threads):
+        for rank, thread in enumerate(self._threads):
             run = runs[rank]
-            if thread.is_alive() or run is None or run.finished_at is None:
+            if not world.has_left(rank) or run is None or run.finished_at is None:
                 # A fresh record: the zombie thread keeps mutating its own one.
                 runs[rank] = RankResult(
                     rank=rank,
@@ -238,71 +306,138 @@ class ThreadRunner:
                     traceback=f"rank {rank} {states[rank]} at the {limit:g} s deadline",
                     stacks=stacks.get(rank),
                 )
-                if thread.is_alive():
+                if not world.has_left(rank):
                     self._zombies.append(thread)
             elif rank in stacks:
                 run.stacks = stacks[rank]
-        if self._zombies:
-            names = ", ".join(t.name for t in self._zombies if t.is_alive())
-            self.unusable_reason = (
-                f"a previous run hung and left rank threads alive ({names}); "
-                "replace this runner and its process"
-            )
+        # Released rank threads go back to waiting for work, but their groups belong to an
+        # abandoned world: this runner is done either way.
+        names = ", ".join(t.name for t in self._zombies if t.is_alive())
+        self.unusable_reason = (
+            f"a previous run hung and left rank threads alive ({names}); "
+            "replace this runner and its process"
+            if names
+            else f"a previous run passed its {limit:g} s deadline; replace this runner"
+        )
 
-    @staticmethod
-    def _rank_main(
-        world: ThreadWorld,
-        store: RunStore,
-        rank: int,
-        runs: list[RankResult | None],
-        fn: Callable[..., Any],
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-        limit: float,
-    ) -> None:
-        run = runs[rank] = RankResult(
+    # --- on the rank threads ----------------------------------------------------------------
+
+    def _rank_main(self, rank: int, seen: int) -> None:
+        joined: ThreadWorld | None = None  # the world this thread's groups belong to
+        while True:
+            with self._jobs:
+                while self._job_number == seen and not self._closing:
+                    self._jobs.wait()
+                if self._closing:
+                    break
+                seen = self._job_number
+                job = self._job
+            assert job is not None
+            joined = self._run_job(job, rank, joined)
+            if job.retired[rank]:
+                break
+        if joined is not None and not joined.abandoned:
+            with contextlib.suppress(Exception):
+                dist.destroy_process_group()
+        _torch_private.unbind_thread_c10d_world()
+        bind_rank(None)
+
+    def _run_job(self, job: _Job, rank: int, joined: ThreadWorld | None) -> ThreadWorld | None:
+        """Run one job on this rank thread; return the world its groups now belong to."""
+        world = job.world
+        run = job.runs[rank] = RankResult(
             rank=rank, outcome=Outcome.PASSED, started_at=time.monotonic()
         )
-        initialized = False
         try:
             bind_rank(world, rank)
-            _torch_private.bind_thread_to_fresh_c10d_world()
             world.enter(rank)
             run.started_at = time.monotonic()
-            dist.init_process_group(
-                backend=BACKEND_NAME,
-                store=store,
-                rank=rank,
-                world_size=world.world_size,
-                # Longer than any deadline: the backend honours group timeouts, and a wait on
-                # the default group must end in the hang report, not in a TimeoutError.
-                timeout=dist.default_pg_timeout,
-            )
-            initialized = True
-            if not isinstance(dist.group.WORLD, ThreadedProcessGroup):
-                raise RuntimeError(
-                    f"'{BACKEND_NAME}' created {type(dist.group.WORLD).__name__}, not "
-                    "harness.threads' backend: another module re-registered the name"
-                )
-            run.value = fn(*args, **kwargs)
+            if joined is not world:
+                earlier, joined = joined, None
+                self._join(job, rank, leave_first=earlier is not None)
+                joined = world
+            run.value = job.fn(*job.args, **job.kwargs)
         except BaseException as error:
             _record_error(run, error)
             if run.outcome is not Outcome.ABORTED_BY_PEER:
                 world.fail(rank, error)
         finally:
-            if initialized and not world.abandoned:
+            if joined is world and not world.abandoned:
                 try:
-                    dist.destroy_process_group()
+                    job.spoiled[rank], job.retired[rank] = _leave_as_found()
                 except BaseException as error:
+                    job.spoiled[rank] = f"its groups could not be cleaned up: {error}"
                     if run.error is None:
                         _record_error(run, error)
                         world.fail(rank, error)
             run.finished_at = time.monotonic()
-            try:
-                _torch_private.unbind_thread_c10d_world()
-                bind_rank(None)
-            finally:
-                world.leave(rank)  # always: the others (and the runner) wait for it
+            world.leave(rank)  # always: the others (and the runner) wait for it
+        return joined
+
+    def _join(self, job: _Job, rank: int, leave_first: bool) -> None:
+        """Join the job's world, after leaving the groups of an earlier one.
+
+        Until its first join a rank thread sees the process-wide c10d world, whose
+        groups are its caller's: only groups of a world it joined itself are left.
+        """
+        if leave_first and dist.is_initialized():
+            dist.destroy_process_group()
+        _torch_private.bind_thread_to_fresh_c10d_world()
+        dist.init_process_group(
+            backend=BACKEND_NAME,
+            store=job.store,
+            rank=rank,
+            world_size=job.world.world_size,
+            # Longer than any deadline: the backend honours group timeouts, and a wait on
+            # the default group must end in the hang report, not in a TimeoutError.
+            timeout=dist.default_pg_timeout,
+        )
+        if not isinstance(dist.group.WORLD, ThreadedProcessGroup):
+            raise RuntimeError(
+                f"'{BACKEND_NAME}' created {type(dist.group.WORLD).__name__}, not "
+                "harness.threads' backend: another module re-registered the name"
+            )
+
+
+def _thread_state() -> dict[str, object]:
+    """torch's per-thread switches, as a fresh thread has them."""
+    return {
+        "grad mode": torch.is_grad_enabled(),
+        "inference mode": torch.is_inference_mode_enabled(),
+        "CPU autocast": torch.is_autocast_enabled("cpu"),
+        "default device": torch.get_default_device(),
+    }
+
+
+_FRESH_THREAD_STATE: dict[str, object] = {}
+
+
+def _leave_as_found() -> tuple[str | None, bool]:
+    """Destroy the groups this run created; say why the next run needs new groups, if it
+    does, and whether this thread must give way to a fresh one."""
+    if not dist.is_initialized():
+        return "the run destroyed the default group", False
+    for group in list(_torch_private.iter_non_default_groups()):
+        dist.destroy_process_group(group)
+    # DTensor caches plans by mesh value, and an equal mesh of the next run has new groups;
+    # a mesh of a rank thread also differs from its peers' by the thread's ident only, so
+    # one rank's cached shard sizes must not serve another's (tests/impl/
+    # test_torch_private_impl.py). One of the caches is per thread: cleared on each.
+    _torch_private.forget_dtensor_caches()
+    if not _FRESH_THREAD_STATE:
+        fresh: dict[str, object] = {}
+        probe = threading.Thread(target=lambda: fresh.update(_thread_state()))
+        probe.start()
+        probe.join()
+        _FRESH_THREAD_STATE.update(fresh)
+    changed = [
+        f"{name} left at {value}"
+        for name, value in _thread_state().items()
+        if value != _FRESH_THREAD_STATE[name]
+    ]
+    if changed:
+        return ", ".join(changed) + " (a fresh rank thread takes over)", True
+    return None, False
 
 
 def _record_error(run: RankResult, error: BaseException) -> None:

@@ -194,7 +194,8 @@ class Meeting:
 
 
 class ThreadWorld:
-    """Everything the rank threads of one run share. One instance per run.
+    """Everything the rank threads of a runner share: one instance for as long as runs
+    pass (:meth:`begin_run` between them), a new one after a run that did not.
 
     The baton is handed over explicitly: a rank that gives it up picks the next runnable
     rank (first come, first served; ranks whose wait is over join the queue in rank
@@ -208,24 +209,32 @@ class ThreadWorld:
         self.lock = threading.Lock()
         self._wake = [threading.Condition(self.lock) for _ in range(world_size)]
         self.main_cond = threading.Condition(self.lock)  # the runner waits here
-        # Ranks start in rank order: the queue begins with all of them, so a rank thread
-        # the OS happens to schedule early still waits for its turn.
-        self._queue: collections.deque[int] = collections.deque(range(world_size))
-        self.owner: int | None = None
-        self.state = [STARTING] * world_size
-        self._waiting_for: list[Callable[[], bool] | None] = [None] * world_size
-        self._blocked_on: list[str | None] = [None] * world_size
-        #: When each blocked rank's wait times out (None: it never does).
-        self._deadline: list[float | None] = [None] * world_size
-        self.abort_error: BaseException | None = None
-        self.failed_rank: int | None = None
-        self.abandoned = False
-        self.rng = _RngStates(world_size, seed)
         # Meetings of each group, keyed by group name then by position (an int for
         # collectives, a tuple for point-to-point pairs).
         self._meetings: dict[str, dict[Any, Meeting]] = {}
         self._p2p_counts: dict[tuple[Any, ...], int] = {}
         self.store_data: dict[str, bytes] = {}
+        self.begin_run(seed)
+
+    def begin_run(self, seed: int) -> None:
+        """Set up the next run of the same rank threads and process groups.
+
+        Only after a run that passed: its collectives all met (so every group's positions
+        and point-to-point counts agree across ranks) and every rank thread has left.
+        """
+        # Ranks start in rank order: the queue begins with all of them, so a rank thread
+        # the OS happens to schedule early still waits for its turn.
+        self._queue: collections.deque[int] = collections.deque(range(self.world_size))
+        self.owner: int | None = None
+        self.state = [STARTING] * self.world_size
+        self._waiting_for: list[Callable[[], bool] | None] = [None] * self.world_size
+        self._blocked_on: list[str | None] = [None] * self.world_size
+        #: When each blocked rank's wait times out (None: it never does).
+        self._deadline: list[float | None] = [None] * self.world_size
+        self.abort_error: BaseException | None = None
+        self.failed_rank: int | None = None
+        self.abandoned = False
+        self.rng = _RngStates(self.world_size, seed)
 
     # --- the baton (every method below runs with self.lock held) ----------------------
 
@@ -317,6 +326,10 @@ class ThreadWorld:
 
     def all_done(self) -> bool:
         return all(s == DONE for s in self.state)
+
+    def has_left(self, rank: int) -> bool:
+        with self.lock:
+            return self.state[rank] == DONE
 
     def _check_running(self, rank: int, what: str) -> None:
         if self.owner != rank and not self.abandoned:

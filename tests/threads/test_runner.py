@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import random
 import sys
+import threading
 
 import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
 
+from harness import _torch_private
 from harness.outcomes import Outcome, RunFailedError
 from harness.threads import (
     CollectiveDeadlockError,
@@ -291,3 +293,93 @@ def test_output_is_captured_per_rank(capsys):
         assert run.output == f"hello from rank {rank}\nrank {rank} to stderr\n"
     assert sys.stdout is stdout and sys.stderr is stderr
     assert capsys.readouterr() == ("", "")  # nothing leaked to the shared streams
+
+
+# --- one set of rank threads and groups, run after run ---------------------------------------
+
+_thread_marks = threading.local()
+
+
+def _mark_thread_and_count_groups() -> tuple[int, int, bool]:
+    """(id of the default group, groups beside it, whether this thread ran a run before)."""
+    seen = getattr(_thread_marks, "seen", False)
+    _thread_marks.seen = True
+    groups = len(list(_torch_private.iter_non_default_groups()))
+    dist.new_group([0, 1])  # left for the runner to destroy
+    dist.all_reduce(torch.ones(1))
+    return id(dist.group.WORLD), groups, seen
+
+
+def test_rank_threads_and_their_groups_serve_run_after_run():
+    with ThreadRunner(2) as runner:
+        first = runner.run(_mark_thread_and_count_groups)
+        second = runner.run(_mark_thread_and_count_groups)
+    first.raise_on_failure()
+    second.raise_on_failure()
+    assert [v[2] for v in first.values] == [False, False]
+    assert [v[2] for v in second.values] == [True, True]  # the same threads
+    assert [v[0] for v in second.values] == [v[0] for v in first.values]  # the same groups
+    assert [v[1] for v in second.values] == [0, 0]  # but not the first run's new group
+
+
+def _fail_on_rank_1_after_a_collective() -> None:
+    dist.all_reduce(torch.ones(1))
+    if dist.get_rank() == 1:
+        raise ValueError("rank 1 fails")
+    dist.all_reduce(torch.ones(1))
+
+
+def _sum_of_ranks() -> tuple[bool, float]:
+    """(whether an earlier run used this default group, the sum of the ranks)."""
+    world = dist.group.WORLD
+    used = getattr(world, "_used_by_a_test", False)
+    world._used_by_a_test = True  # the threaded backend's groups are Python objects
+    value = torch.tensor([float(dist.get_rank())])
+    dist.all_reduce(value)
+    return used, value.item()
+
+
+def test_a_run_that_did_not_pass_leaves_new_groups_to_the_next():
+    with ThreadRunner(2) as runner:
+        before = runner.run(_sum_of_ranks)
+        failed = runner.run(_fail_on_rank_1_after_a_collective)
+        after = runner.run(_sum_of_ranks)
+    assert not failed.ok
+    after.raise_on_failure()
+    before.raise_on_failure()
+    assert after.values == [(False, 1.0), (False, 1.0)]  # new groups, positions in step
+
+
+def _leave_grad_disabled_on_rank_0() -> bool:
+    seen = getattr(_thread_marks, "seen", False)
+    _thread_marks.seen = True
+    grad = torch.is_grad_enabled()
+    if dist.get_rank() == 0:
+        torch.set_grad_enabled(False)
+    dist.all_reduce(torch.ones(1))
+    return seen, grad
+
+
+def test_a_rank_thread_left_without_grad_gives_way_to_a_fresh_thread():
+    with ThreadRunner(2) as runner:
+        first = runner.run(_leave_grad_disabled_on_rank_0)
+        second = runner.run(_leave_grad_disabled_on_rank_0)
+    first.raise_on_failure()
+    assert "rank 0: grad mode left at False" in " ".join(first.harness_notes)
+    second.raise_on_failure()
+    assert second.values[0] == (False, True)  # a fresh thread, with grad on
+    assert second.values[1] == (True, True)  # rank 1 kept its thread
+
+
+def _destroy_the_default_group_on_every_rank() -> None:
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def test_a_run_that_destroyed_the_default_group_leaves_new_groups_to_the_next():
+    with ThreadRunner(2) as runner:
+        runner.run(_sum_of_ranks).raise_on_failure()
+        runner.run(_destroy_the_default_group_on_every_rank).raise_on_failure()
+        after = runner.run(_sum_of_ranks)
+    after.raise_on_failure()
+    assert after.values == [(False, 1.0), (False, 1.0)]
