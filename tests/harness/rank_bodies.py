@@ -75,6 +75,10 @@ def describe_rank() -> dict:
     }
 
 
+def scheduling_policy() -> int:
+    return os.sched_getscheduler(0)
+
+
 def print_lines(count: int) -> None:
     for index in range(count):
         print(f"line {index} from rank {dist.get_rank()}")

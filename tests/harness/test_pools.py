@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from harness import Outcome
@@ -20,6 +22,13 @@ def test_a_pool_serves_many_tests(pools):
         result = run(pools, rank_bodies.all_reduce_rank_sum)
         assert result.values == [10.0] * 4
     assert pools.spawn_count == 1 and pools.recycle_count == 0
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="Linux scheduling classes")
+def test_cpu_ranks_leave_the_parents_cpu_to_the_parent(pools):
+    # harness/process/worker.py: a batch-class rank does not preempt the parent handing
+    # the test to the next rank.
+    assert run(pools, rank_bodies.scheduling_policy).values == [os.SCHED_BATCH] * 4
 
 
 def test_a_failure_recycles_the_pool_and_the_next_test_passes(pools):
