@@ -47,6 +47,8 @@ from suites.cases import (
 )
 
 PLUGIN_NAME = "distconform-conformance-report"
+# The harness plugin's pytest11 entry point name (pyproject.toml).
+HARNESS_PLUGIN_NAME = "distconform"
 JUNIT_NAME = "conformance.junit.xml"
 TOLERANCE_KEY = pytest.StashKey[Tolerance]()
 DECLARATION_KEY = pytest.StashKey[BackendDeclaration]()
@@ -130,6 +132,10 @@ def pytest_configure(config: pytest.Config) -> None:
         "(default: its module name without test_)",
     )
     if config.pluginmanager.has_plugin(PLUGIN_NAME):
+        return
+    if not config.pluginmanager.has_plugin(HARNESS_PLUGIN_NAME):
+        # -p no:distconform: the harness that runs the suites' ranks is off, and with it
+        # the hooks this plugin implements; plain tests still run.
         return
     try:
         plugin = ConformancePlugin(config)

@@ -128,3 +128,12 @@ def test_the_cli_refuses_an_unwritable_out_in_its_own_words(tmp_path, capsys):
     assert capsys.readouterr().err == (
         f"ERROR: --out {blocked} is a file, not a directory: name a directory for the report\n"
     )
+
+
+def test_plain_tests_run_with_the_harness_plugin_turned_off(pytester):
+    # The conformance plugin implements the harness's hooks: with the harness off it stays
+    # out of the way instead of failing pytest's hook validation.
+    pytester.makepyfile(test_plain="def test_plain():\n    assert True\n")
+    result = pytester.runpytest_subprocess("-p", "no:distconform")
+    result.assert_outcomes(passed=1)
+    assert "INTERNALERROR" not in result.stdout.str() + result.stderr.str()
