@@ -400,7 +400,7 @@ class ThreadRunner:
 
 
 def _thread_state() -> dict[str, object]:
-    """torch's per-thread switches, as a fresh thread has them."""
+    """torch's per-thread switches that a run could leave changed for the next one."""
     return {
         "grad mode": torch.is_grad_enabled(),
         "inference mode": torch.is_inference_mode_enabled(),
@@ -409,7 +409,7 @@ def _thread_state() -> dict[str, object]:
     }
 
 
-_FRESH_THREAD_STATE: dict[str, object] = {}
+_FRESH_THREAD_STATE: dict[str, object] = {}  # _thread_state() of a new thread, once read
 
 
 def _leave_as_found() -> tuple[str | None, bool]:
