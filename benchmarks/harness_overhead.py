@@ -65,8 +65,9 @@ def pytest_sessionfinish(session):
 
 _INI = """[pytest]
 # An empty config of its own: the repository's addopts and timeouts must not apply here.
-# pytest's cache stays on, as in a user's checkout: the sessions share this directory, so
-# all but the first find the previous one's (the fork server then starts at configure).
+# pytest's cache stays on, as in a user's checkout. Each variant has a directory of its own,
+# so its sessions find the cache its previous session left (the fork server then starts at
+# configure), never one of another harness's sessions, which collect no distributed tests.
 addopts = -p no:benchmark
 """
 
@@ -451,8 +452,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     chosen = [v for v in VARIANTS if v.key in args.variants]
     measurements = []
     with tempfile.TemporaryDirectory(prefix="distconform-bench-") as tmp:
-        directory = Path(tmp)
-        write_tests(directory, args.tests, args.mptc_tests)
+        directories = {variant.key: Path(tmp) / variant.key for variant in chosen}
+        for directory in directories.values():
+            directory.mkdir()
+            write_tests(directory, args.tests, args.mptc_tests)
         for repeat in range(max(1, args.repeats)):
             for index, variant in enumerate(chosen):
                 count = args.mptc_tests if variant.key == "mptc" else args.tests
@@ -461,6 +464,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     file=sys.stderr,
                     flush=True,
                 )
+                directory = directories[variant.key]
                 many = run_variant(variant, directory, count, args.timeout)
                 if repeat == 0:
                     measurements.append(many)
