@@ -107,7 +107,7 @@ def _join_world(spec: WorkerSpec) -> Any:
     )
 
 
-def yield_wakeups_to_the_parent(device_type: str) -> None:
+def _yield_wakeups_to_the_parent(device_type: str) -> None:
     """Let the pytest process keep its CPU when this CPU rank wakes up.
 
     The parent hands a test to its ranks one after another. Woken by the first hand-over,
@@ -145,7 +145,7 @@ def serve(spec: WorkerSpec) -> None:
     from harness.rank.execute import run_task_in_process
 
     torch.set_num_threads(spec.threads)
-    yield_wakeups_to_the_parent(spec.device_type)  # before gloo starts its threads
+    _yield_wakeups_to_the_parent(spec.device_type)  # before gloo starts its threads
     conn = Connection(spec.control_fd)
     base_ctx = _join_world(spec)
     hold_wrappers()
