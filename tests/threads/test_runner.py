@@ -76,6 +76,29 @@ def test_each_rank_owns_its_rng_stream(runners, ws, chain):
     assert np.array_equal(np.random.get_state()[1], before[2])
 
 
+def _one_normal_per_turn(steps: int) -> list[float]:
+    """Each rank draws one legacy normal per turn of the baton: the second of every pair
+    comes from numpy's cached Gaussian, which changes no Mersenne Twister state."""
+    draws = []
+    rank = dist.get_rank()
+    for _ in range(steps):
+        if rank == 1:
+            dist.recv(torch.zeros(1), src=0)
+        draws.append(float(np.random.randn()))
+        if rank == 0:
+            dist.send(torch.zeros(1), dst=1)
+            dist.recv(torch.zeros(1), src=1)
+        else:
+            dist.send(torch.zeros(1), dst=0)
+    return draws
+
+
+def test_a_cached_gaussian_used_up_between_hand_overs_is_not_drawn_twice(runners):
+    reference = np.random.RandomState(0)
+    expected = [float(reference.randn()) for _ in range(6)]
+    assert runners.run(2, _one_normal_per_turn, 6) == [expected, expected]
+
+
 def test_seed_option():
     result = run_threaded(lambda: _draw(), 2, seed=7)
     result.raise_on_failure()
