@@ -31,6 +31,7 @@ import faulthandler
 import hashlib
 import os
 import pickle
+import sys
 import tempfile
 import threading
 import time
@@ -280,6 +281,10 @@ class ExternalWorld:
             # Rank 0 ends last: under torchrun a rank that exits with failures gets the
             # others killed (their report files cut short), and under srun rank 0's
             # process serves the store. Bounded: a rank that never ends is not waited for.
+            # The report is written by now, but a console redirected to a file holds its
+            # tail in a buffer, which a kill while waiting here would lose.
+            sys.stdout.flush()
+            sys.stderr.flush()
             with contextlib.suppress(Exception):
                 self._store.wait(
                     [f"{_SESSION_OVER_KEY}-{r}" for r in range(self.world_size)],
