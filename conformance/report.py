@@ -41,8 +41,22 @@ from typing import Any
 import pytest
 
 from conformance.expectations import Entry, Expectations
+from conformance.pages.run import render_run
+from conformance.saved import run_from_json
+from conformance.statuses import (
+    APPLIED_STATUSES,
+    PASS_RATE_DEFINITION,
+    STATUSES,
+    conformance_percent,
+    percent_text,
+)
 from harness.backend_plugins import ENV_VAR as BACKEND_PLUGINS_VAR
-from harness.session import SETTINGS_KEY, world_size_of
+from harness.session import (
+    RANK_OUTCOMES_PROPERTY,
+    REPRODUCE_PROPERTY,
+    SETTINGS_KEY,
+    world_size_of,
+)
 from suites.cases import (
     BACKEND,
     CAPABILITIES_PROPERTY,
@@ -54,9 +68,7 @@ from suites.cases import (
 )
 
 SCHEMA = "distconform-conformance"
-SCHEMA_VERSION = 4
-STATUSES = ("PASS", "FAIL", "XFAIL", "XPASS", "UNSUPPORTED", "SKIP")
-APPLIED_STATUSES = ("PASS", "FAIL", "XFAIL", "XPASS")
+SCHEMA_VERSION = 5
 _MAX_DETAIL_CHARS = 4000
 
 
@@ -79,6 +91,10 @@ class TestResult:
     capabilities: list[str] = field(default_factory=list)
     #: Whose capabilities those are: the implementation's or the backend's (None: no case).
     subject: str | None = None
+    #: Each rank's outcome (``{"rank": 0, "outcome": "failed"}``), for a distributed test.
+    ranks: list[dict[str, Any]] = field(default_factory=list)
+    #: The command that reproduces a distributed test that did not pass (else empty).
+    reproduce: str = ""
 
 
 def feature_of(item: pytest.Item) -> str:
@@ -159,7 +175,7 @@ class Recorder:
                 (feature_from_nodeid(report.nodeid), world_size_from_nodeid(report.nodeid)),
             )
             result = self.results[report.nodeid] = TestResult(report.nodeid, feature, world_size)
-        _read_case_properties(result, report)
+        _read_properties(result, report)
         result.duration_s += self.in_progress.pop(report.nodeid, 0.0) + report.duration
         if report.when == "teardown":
             if report.failed and result.status != "FAIL":
@@ -241,14 +257,28 @@ class RunState:
         )
 
 
-def _read_case_properties(result: TestResult, report: pytest.TestReport) -> None:
+def _read_properties(result: TestResult, report: pytest.TestReport) -> None:
     properties = dict(getattr(report, "user_properties", None) or ())
+    if RANK_OUTCOMES_PROPERTY in properties:
+        result.ranks = _rank_outcomes(str(properties[RANK_OUTCOMES_PROPERTY]))
+    if REPRODUCE_PROPERTY in properties:
+        result.reproduce = str(properties[REPRODUCE_PROPERTY])
     if CASE_PROPERTY not in properties:
         return  # "capabilities" alone may be a project's own record_property
     result.case = str(properties[CASE_PROPERTY])
     result.subject = str(properties.get(SUBJECT_PROPERTY, IMPLEMENTATION))
     needs = str(properties.get(CAPABILITIES_PROPERTY, ""))
     result.capabilities = sorted(cap for cap in needs.split(",") if cap)
+
+
+def _rank_outcomes(text: str) -> list[dict[str, Any]]:
+    """``"0:passed 1:failed"`` as ``[{"rank": 0, "outcome": "passed"}, ...]``."""
+    ranks = []
+    for pair in text.split():
+        rank, _, outcome = pair.partition(":")
+        if rank.isdigit() and outcome:
+            ranks.append({"rank": int(rank), "outcome": outcome})
+    return ranks
 
 
 # --- profiles ------------------------------------------------------------------------------
@@ -381,7 +411,7 @@ class ProfileResult:
         if self.withheld:
             applied += f", no pass rate (does not declare {', '.join(self.missing_capabilities)})"
         elif percent is not None:
-            applied += f", pass rate {_percent_text(percent)}"
+            applied += f", pass rate {percent_text(percent)}"
         parts = [applied]
         skipped = self.counts()["SKIP"]
         if skipped:
@@ -393,20 +423,6 @@ class ProfileResult:
         if groups:
             parts.append(f"UNSUPPORTED: {', '.join(groups)}")
         return f"{name} ({kind}): {'; '.join(parts)}"
-
-
-def conformance_percent(counts: Counter) -> float | None:
-    good = counts["PASS"] + counts["XPASS"]
-    applicable = good + counts["FAIL"] + counts["XFAIL"]
-    return None if applicable == 0 else 100.0 * good / applicable
-
-
-def _percent_text(value: float | None) -> str:
-    if value is None:
-        return "n/a"
-    # Never round a run with a failure up to 100 %.
-    text = f"{value:.1f} %"
-    return "99.9 %" if text == "100.0 %" and value < 100.0 else text
 
 
 @dataclass
@@ -517,7 +533,7 @@ class ConformanceReport:
                 "tests": len(self.tests),
                 "counts": {status: counts[status] for status in STATUSES},
                 "conformance_percent": self.percent(),
-                "definition": "(PASS + XPASS) / (PASS + XPASS + FAIL + XFAIL)",
+                "definition": PASS_RATE_DEFINITION,
             },
             "features": [
                 {
@@ -547,12 +563,12 @@ class ConformanceReport:
                     feature,
                     "-" if ws is None else str(ws),
                     *(str(row[s]) for s in STATUSES),
-                    _percent_text(conformance_percent(row)),
+                    percent_text(conformance_percent(row)),
                 ]
             )
         total = self.counts()
         body.append(
-            ["**total**", "", *(str(total[s]) for s in STATUSES), _percent_text(self.percent())]
+            ["**total**", "", *(str(total[s]) for s in STATUSES), percent_text(self.percent())]
         )
         widths = [max(len(r[i]) for r in [header, *body]) for i in range(len(header))]
 
@@ -652,7 +668,7 @@ class ConformanceReport:
         return lines[1:] if lines[:1] == [""] else lines
 
     def to_markdown(self) -> str:
-        percent = _percent_text(self.percent())
+        percent = percent_text(self.percent())
         headline = self.headline_lines(markdown=True)
         incomplete = self.incomplete_line()
         lines = [
@@ -682,7 +698,7 @@ class ConformanceReport:
             *self.table_lines(),
             *(["", *notable] if notable else []),
             "",
-            f"conformance {_percent_text(self.percent())} "
+            f"conformance {percent_text(self.percent())} "
             f"((PASS + XPASS) / (PASS + XPASS + FAIL + XFAIL))"
             # The last line is the one people quote: it must not read as a clean bill.
             + "".join(f"; NOT CONFORMANT to {name}" for name in not_conformant),
@@ -695,6 +711,7 @@ class ConformanceReport:
         data["environment"]["junit_xml"] = junit_path
         _replace_file(out_dir / "conformance.json", json.dumps(data, indent=2) + "\n")
         _replace_file(out_dir / "conformance.md", self.to_markdown())
+        _replace_file(out_dir / "conformance.html", render_run(run_from_json(data, out_dir)))
 
 
 def _replace_file(path: Path, text: str) -> None:

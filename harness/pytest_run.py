@@ -28,6 +28,8 @@ from harness.report import DistributedFailure
 from harness.session import (
     EXTERNAL_KEY,
     POOLS_KEY,
+    RANK_OUTCOMES_PROPERTY,
+    REPRODUCE_PROPERTY,
     assertion_settings_of,
     external_world,
     pools_of,
@@ -272,12 +274,12 @@ def run_item(item: pytest.Function) -> None:
     # The item (and its properties) is reused when pytest-rerunfailures retries it.
     item.user_properties[:] = [p for p in item.user_properties if p[0] not in _RUN_PROPERTIES]
     item.user_properties.append(
-        ("rank_outcomes", " ".join(f"{r.rank}:{r.outcome.value}" for r in run.results))
+        (RANK_OUTCOMES_PROPERTY, " ".join(f"{r.rank}:{r.outcome.value}" for r in run.results))
     )
     _conclude(item, settings, run)
 
 
-_RUN_PROPERTIES = frozenset({"rank_outcomes"})
+_RUN_PROPERTIES = frozenset({RANK_OUTCOMES_PROPERTY, REPRODUCE_PROPERTY})
 
 
 def _group_by_violation(run: RunResult) -> dict[str, list[int]]:
@@ -299,7 +301,9 @@ def _conclude(item: pytest.Function, settings: DistSettings, run: RunResult) -> 
         f"ws {run.world_size}, {settings.launcher}/{settings.backend}/{settings.device_type}, "
         f"seed {run.seed}"
     )
-    raise DistributedFailure(run, context=context, reproducer=reproducer(item, settings))
+    command = reproducer(item, settings)
+    item.user_properties.append((REPRODUCE_PROPERTY, command))
+    raise DistributedFailure(run, context=context, reproducer=command)
 
 
 def _joined_reasons(run: RunResult, outcome: Outcome) -> str:

@@ -23,6 +23,12 @@ if TYPE_CHECKING:
 #: The fixture parameter the ``world_size`` marker parametrizes every marked test with.
 WORLD_SIZE_PARAM = "dist_world_size"
 
+#: User properties of a distributed test (JUnit ``<property>``, the conformance report): every
+#: rank's outcome as ``"rank:outcome ..."``, and for a run that did not pass, the command
+#: that reproduces it.
+RANK_OUTCOMES_PROPERTY = "rank_outcomes"
+REPRODUCE_PROPERTY = "reproduce"
+
 SETTINGS_KEY = pytest.StashKey[DistSettings]()
 POOLS_KEY = pytest.StashKey["PoolManager"]()
 EXTERNAL_KEY = pytest.StashKey["ExternalWorld"]()

@@ -1,11 +1,14 @@
 """Checks every conformance report in the tests passes: its JSON against the shipped JSON
-Schema, and its Markdown through a CommonMark renderer (the structure a reader sees)."""
+Schema, its Markdown through a CommonMark renderer and its HTML page through an HTML parser
+(the structure a reader sees)."""
 
 from __future__ import annotations
 
 import json
 import re
+from collections import Counter
 from functools import cache
+from html.parser import HTMLParser
 from pathlib import Path
 from typing import Any
 
@@ -58,9 +61,59 @@ def check_markdown(text: str) -> None:
     assert heading and heading[0].tag == "h1", "the report starts with its title"
 
 
+class PageElements(HTMLParser):
+    """Every start tag of a page with its attributes, in document order."""
+
+    def __init__(self, text: str) -> None:
+        super().__init__()
+        self.elements: list[tuple[str, dict[str, str | None]]] = []
+        self.feed(text)
+        self.close()
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        self.elements.append((tag, dict(attrs)))
+
+    def with_class(self, tag: str, cls: str) -> list[dict[str, str | None]]:
+        return [
+            attrs
+            for name, attrs in self.elements
+            if name == tag and cls in (attrs.get("class") or "").split()
+        ]
+
+
+def check_html(text: str, report: dict[str, Any]) -> PageElements:
+    """The page of ``report``: self-contained, one matrix cell per feature and world size,
+    one expandable row per test."""
+    page = PageElements(text)
+    tags = Counter(tag for tag, _ in page.elements)
+    assert tags["script"] == 0, "the page needs no script"
+    external = [
+        (tag, attrs)
+        for tag, attrs in page.elements
+        if tag in ("link", "img", "iframe") or (attrs.get("src") or "").startswith("http")
+    ]
+    assert not external, f"the page loads something from outside the file: {external}"
+    features = {test["feature"] for test in report["tests"]}
+    sizes = {test["world_size"] for test in report["tests"]}
+    cells = page.with_class("td", "cell")
+    assert len(cells) == len(features) * len(sizes), (len(cells), features, sizes)
+    assert {(c["data-feature"], c["data-ws"]) for c in cells} == {
+        (f, "" if ws is None else str(ws)) for f in features for ws in sizes
+    }
+    rows = page.with_class("details", "case")
+    assert Counter(row["data-nodeid"] for row in rows) == Counter(
+        test["nodeid"] for test in report["tests"]
+    )
+    assert {row["data-nodeid"]: row["data-status"] for row in rows} == {
+        test["nodeid"]: test["status"] for test in report["tests"]
+    }
+    return page
+
+
 def check_report_dir(out: Path) -> dict[str, Any]:
-    """The report in ``out``, after both checks."""
+    """The report in ``out``, after the three checks."""
     report = json.loads((out / "conformance.json").read_text())
     check_json(report)
     check_markdown((out / "conformance.md").read_text())
+    check_html((out / "conformance.html").read_text(), report)
     return report

@@ -15,7 +15,9 @@ skipped at collection).
 
 from __future__ import annotations
 
+import html
 import os
+import shlex
 import subprocess
 import sys
 import textwrap
@@ -215,7 +217,7 @@ def test_every_test_gets_its_status(vendor_run):
 def test_the_report_names_the_vendor_implementation_and_backend(vendor_run):
     done, report, root = vendor_run
     env = report["environment"]
-    assert (report["schema"], report["schema_version"]) == ("distconform-conformance", 4)
+    assert (report["schema"], report["schema_version"]) == ("distconform-conformance", 5)
     assert env["implementation"]["name"] == "acme-fsdp"
     assert env["implementation"]["spec"] == "acme_fsdp:implementation"
     assert env["implementation"]["capabilities"] == [
@@ -309,3 +311,45 @@ def test_a_missing_core_capability_makes_the_run_not_conformant_to_fsdp2_core(ve
         "hsdp",
     ]
     assert by_name["test_needs_hsdp"]["case"] is None
+
+
+def page_rows(root: Path) -> dict[str, str]:
+    """Each test's expandable row of ``conformance.html``, by node id (its HTML up to the
+    next row)."""
+    text = (root / "report" / "conformance.html").read_text()
+    rows = {}
+    for chunk in text.split('<details class="case"')[1:]:
+        nodeid = chunk.split('data-nodeid="', 1)[1].split('"', 1)[0]
+        rows[html.unescape(nodeid).split("::")[1]] = chunk
+    return rows
+
+
+def test_a_distributed_failure_carries_its_ranks_and_reproducer_into_json_and_page(vendor_run):
+    _, report, root = vendor_run
+    by_name = {test["nodeid"].split("::")[1]: test for test in report["tests"]}
+    known = by_name["test_known_difference[ws2]"]
+    assert known["ranks"] == [{"rank": 0, "outcome": "passed"}, {"rank": 1, "outcome": "failed"}]
+    assert shlex.split(known["reproduce"])[2:4] == [
+        "pytest",
+        "acme_tests/test_acme.py::test_known_difference[ws2]",
+    ]
+    assert "--impl acme_fsdp:implementation --backend-plugin acme_backend" in known["reproduce"]
+    passed = by_name["test_ranks_run_the_vendor_implementation_on_its_backend[ws2]"]
+    assert passed["ranks"] == [{"rank": 0, "outcome": "passed"}, {"rank": 1, "outcome": "passed"}]
+    assert passed["reproduce"] == ""  # only a run that did not pass needs one
+    assert by_name["test_unlisted_failure"]["ranks"] == []  # not distributed
+
+    rows = page_rows(root)
+    row = rows["test_known_difference[ws2]"]
+    assert 'data-status="XFAIL"' in row
+    assert "rank 1 disagrees" in row
+    assert '<span class="badge s-FAIL">failed</span>' in row  # rank 1 in the rank table
+    assert html.escape(known["reproduce"]) in row
+    assert 'href="https://example.invalid/acme/1"' in row  # the expectation's evidence
+    # A failure outside the ranks still gets a command, built from the run's options.
+    unlisted = rows["test_unlisted_failure"]
+    assert "a real failure" in unlisted
+    assert (
+        "python -m pytest acme_tests/test_acme.py::test_unlisted_failure --impl "
+        "acme_fsdp:implementation --launcher process --backend acmegloo --device cpu"
+    ) in unlisted
