@@ -5,6 +5,13 @@ Without paths it runs one bundled suite: ``--suite fsdp`` (the default: ``suites
 ``suites/backend``, against ``--impl``) or ``--suite backend`` (``suites/backend``, against
 ``--backend``). Without ``--quick`` it runs every case, the ``slow`` ones included;
 ``--quick`` keeps the project's default selection.
+
+Two subcommands read saved reports instead of running anything:
+
+- ``compare A.json B.json [C.json ...] [--html FILE]``: the tests whose outcome differs
+  between the first run and each other one; exit status 1 on a new FAIL, for nightly gates.
+- ``history DIR [--out FILE]``: a page of every report (and step benchmark) under ``DIR``
+  over time.
 """
 
 from __future__ import annotations
@@ -26,6 +33,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run the conformance suites against an implementation and report "
         "PASS / FAIL / XFAIL / XPASS / UNSUPPORTED / SKIP per feature and world size. "
         "Unknown arguments are passed to pytest.",
+        epilog="Saved reports: 'python -m harness conformance compare A.json B.json "
+        "[--html FILE]' lists what changed (exit status 1 on a new FAIL); 'python -m harness "
+        "conformance history DIR' draws a page of the reports under DIR over time.",
     )
     parser.add_argument(
         "--suite",
@@ -101,6 +111,8 @@ def _suites_dir() -> Path:
 
 
 def main(argv: list[str]) -> int:
+    if argv and argv[0] in SUBCOMMANDS:
+        return SUBCOMMANDS[argv[0]](argv[1:])
     import pytest  # as in _suites_dir: --help answers before pytest and its plugins load
 
     from conformance.report import writable_directory
@@ -112,3 +124,80 @@ def main(argv: list[str]) -> int:
         print(f"ERROR: {exc}", file=sys.stderr)
         return int(pytest.ExitCode.USAGE_ERROR)
     return int(pytest.main(pytest_args(argv)))
+
+
+# --- reading saved reports ---------------------------------------------------------------
+
+#: Exit status of a subcommand given a file or directory it cannot read (pytest's usage error).
+USAGE_ERROR = 4
+
+
+def compare_main(argv: list[str]) -> int:
+    from conformance.compare import command_line, compare_all, exit_status, terminal_lines
+    from conformance.pages.compare import render_comparisons
+    from conformance.saved import SavedRunError, load_run
+
+    parser = argparse.ArgumentParser(
+        prog="python -m harness conformance compare",
+        description="List the tests whose outcome differs between the first report (the "
+        "baseline) and each later one: new FAIL, fixed, newly UNSUPPORTED, stale "
+        "expectations and the rest. Exit status 1 when a later run has a FAIL the baseline "
+        "did not.",
+    )
+    parser.add_argument("reports", nargs="+", metavar="REPORT.json")
+    parser.add_argument("--html", metavar="FILE", help="also write the changes as a page")
+    options = parser.parse_args(argv)
+    if len(options.reports) < 2:
+        parser.error("give at least two reports: the baseline, then the runs to compare")
+    try:
+        runs = [load_run(path) for path in options.reports]
+    except SavedRunError as exc:
+        print(f"ERROR: {exc}", file=sys.stderr)
+        return USAGE_ERROR
+    comparisons = compare_all(runs)
+    print("\n".join(terminal_lines(comparisons)))
+    if options.html:
+        page = render_comparisons(comparisons, command_line(options.reports))
+        _write_page(Path(options.html), page)
+        print(f"page: {options.html}")
+    return exit_status(comparisons)
+
+
+def history_main(argv: list[str]) -> int:
+    from conformance.history import collect
+    from conformance.pages.history import render_history
+    from conformance.saved import SavedRunError
+
+    parser = argparse.ArgumentParser(
+        prog="python -m harness conformance history",
+        description="Draw a page of every conformance report under DIR over time: pass "
+        "rate per implementation and per feature, and the step benchmarks "
+        "(benchmarks/impl_step.py --out) found alongside.",
+    )
+    parser.add_argument("directory", metavar="DIR")
+    parser.add_argument(
+        "--out", metavar="FILE", help="where to write the page (default: DIR/history.html)"
+    )
+    options = parser.parse_args(argv)
+    try:
+        history = collect(options.directory)
+    except SavedRunError as exc:
+        print(f"ERROR: {exc}", file=sys.stderr)
+        return USAGE_ERROR
+    out = Path(options.out) if options.out else Path(options.directory) / "history.html"
+    _write_page(out, render_history(history, options.directory))
+    for message in history.unreadable:
+        print(f"not read: {message}", file=sys.stderr)
+    print(
+        f"{len(history.runs)} conformance runs ({', '.join(history.implementations()) or 'none'})"
+        f" and {len(history.benchmarks)} step benchmarks: {out}"
+    )
+    return 0
+
+
+def _write_page(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+
+
+SUBCOMMANDS = {"compare": compare_main, "history": history_main}

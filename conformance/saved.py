@@ -76,7 +76,7 @@ class SavedRun:
     @property
     def label(self) -> str:
         """How a page or a table names this run: implementation, date and file."""
-        return f"{self.implementation} {self.date or '(no date)'} ({self.path.name})"
+        return f"{self.implementation} {self.date or '(no date)'} ({self.path})"
 
     @property
     def complete(self) -> bool:

@@ -25,6 +25,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.conformance.browser import ENV_VAR as BROWSER_ENV_VAR
+from tests.conformance.browser import chromium, find_chromium
 from tests.conformance.report_checks import check_report_dir
 
 REPO = Path(__file__).resolve().parents[2]
@@ -353,3 +355,37 @@ def test_a_distributed_failure_carries_its_ranks_and_reproducer_into_json_and_pa
         "python -m pytest acme_tests/test_acme.py::test_unlisted_failure --impl "
         "acme_fsdp:implementation --launcher process --backend acmegloo --device cpu"
     ) in unlisted
+
+
+def test_the_page_loads_in_a_real_browser_and_a_failing_row_expands(vendor_run):
+    executable = find_chromium()
+    if executable is None:
+        pytest.skip(
+            f"no Chromium to render the page: install Debian's chromium package (apt-get "
+            f"install chromium; .ci/run does) or point ${BROWSER_ENV_VAR} at one"
+        )
+    _, report, root = vendor_run
+    with chromium(executable) as browser:
+        page = browser.new_page()
+        page.load(root / "report" / "conformance.html")
+        cells = page.evaluate(
+            "Array.from(document.querySelectorAll('table.matrix td.cell')).map(cell => "
+            "[cell.dataset.feature, cell.dataset.ws, cell.getBoundingClientRect().width > 0])"
+        )
+        features = {test["feature"] for test in report["tests"]}
+        sizes = {"" if t["world_size"] is None else str(t["world_size"]) for t in report["tests"]}
+        assert sorted(map(tuple, cells)) == sorted(
+            (feature, size, True) for feature in features for size in sizes
+        )
+
+        row = 'details.case[data-status="FAIL"]'
+        # What a reader sees: closed, the row's body is laid out but not rendered.
+        visible_body = f"document.querySelector('{row} > .body').checkVisibility()"
+        assert page.evaluate(f"document.querySelector('{row}').open") is False
+        assert page.evaluate(visible_body) is False
+        page.click(f"{row} > summary")
+        assert page.evaluate(f"document.querySelector('{row}').open") is True
+        assert page.evaluate(visible_body) is True
+        shown = page.evaluate(f"document.querySelector('{row} > .body').innerText")
+        assert "a real failure" in shown and "reproduce with:" in shown
+        assert page.console_errors == []
