@@ -53,6 +53,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import ctypes
+import datetime
 import gc
 import itertools
 import json
@@ -591,6 +592,8 @@ def write_report(
     import torch
 
     report = {
+        # Read by `python -m harness conformance history` to place the run in time.
+        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "options": {**asdict(options), "cases": [asdict(c) for c in cases]},
         "machine": {
             "cpus": os.cpu_count(),
