@@ -297,7 +297,9 @@ def _environment_section(run: SavedRun) -> str:
     command = env.get("command")
     if command:
         rows.append(["command", f"<code>{esc(shlex.join(map(str, command)))}</code>"])
-    return '<h2 id="environment">Environment</h2>' + table(["", ""], rows, cls="environment")
+    return '<h2 id="environment">Environment</h2>' + table(
+        ["setting", "value"], rows, cls="environment"
+    )
 
 
 def _value_text(value: Any) -> str:

@@ -244,4 +244,5 @@ def test_history_draws_each_implementation_and_the_step_benchmarks_in_date_order
     assert all(case in section for case in cases)
     first = benchmark["rows"][0]
     assert f"{first['ratio']['median']:.3f}" in section
-    assert section.count("<svg") == 2
+    # Per world size, one chart of step-time ratios and one of peak-memory ratios.
+    assert section.count("<svg") == 2 * len({row["world_size"] for row in benchmark["rows"]})
