@@ -79,7 +79,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         default=None,
         metavar="DIR",
         help="write the conformance report to DIR (conformance.json, conformance.md, "
-        f"{JUNIT_NAME}) and print its table",
+        f"conformance.html, {JUNIT_NAME}) and print its table",
     )
     group.addoption(
         "--conformance-table",
@@ -420,7 +420,9 @@ class ConformancePlugin:
         for line in self.report.terminal_lines():
             terminalreporter.write_line(line)
         if self.out_dir is not None:
-            terminalreporter.write_line(f"report written to {self.out_dir}")
+            terminalreporter.write_line(
+                f"report written to {self.out_dir} (open {self.out_dir / 'conformance.html'})"
+            )
 
 
 def _could_have_matched(entry: Entry, collected_files: set[str], config: pytest.Config) -> bool:
