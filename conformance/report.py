@@ -678,7 +678,7 @@ class ConformanceReport:
             # "Run:" keeps the run's bullets from joining the profiles' list.
             *([*headline, "", "Run:", ""] if headline else []),
             *(f"- {line}" for line in self.header_lines()),
-            f"- conformance: **{percent}** = (PASS + XPASS) / (PASS + XPASS + FAIL + XFAIL)",
+            f"- conformance: **{percent}** = {PASS_RATE_DEFINITION}",
             "",
             *self.table_lines(),
             "",
@@ -698,8 +698,7 @@ class ConformanceReport:
             *self.table_lines(),
             *(["", *notable] if notable else []),
             "",
-            f"conformance {percent_text(self.percent())} "
-            f"((PASS + XPASS) / (PASS + XPASS + FAIL + XFAIL))"
+            f"conformance {percent_text(self.percent())} ({PASS_RATE_DEFINITION})"
             # The last line is the one people quote: it must not read as a clean bill.
             + "".join(f"; NOT CONFORMANT to {name}" for name in not_conformant),
             *([incomplete] if (incomplete := self.incomplete_line()) else []),
@@ -709,9 +708,10 @@ class ConformanceReport:
         out_dir.mkdir(parents=True, exist_ok=True)
         data = self.to_json()
         data["environment"]["junit_xml"] = junit_path
-        _replace_file(out_dir / "conformance.json", json.dumps(data, indent=2) + "\n")
+        json_file = out_dir / "conformance.json"
+        _replace_file(json_file, json.dumps(data, indent=2) + "\n")
         _replace_file(out_dir / "conformance.md", self.to_markdown())
-        _replace_file(out_dir / "conformance.html", render_run(run_from_json(data, out_dir)))
+        _replace_file(out_dir / "conformance.html", render_run(run_from_json(data, json_file)))
 
 
 def _replace_file(path: Path, text: str) -> None:
