@@ -26,9 +26,9 @@ h3 { font-size: 15px; margin: 20px 0 6px; }
 code, pre { font: 12.5px/1.4 ui-monospace, SFMono-Regular, Menlo, Consolas, monospace; }
 pre { background: var(--bg-soft); border: 1px solid var(--line); border-radius: 6px;
       padding: 8px 10px; overflow-x: auto; white-space: pre-wrap; word-break: break-word; }
-table { border-collapse: collapse; margin: 6px 0; }
+table { border-collapse: collapse; margin: 6px 0; max-width: 100%; }
 th, td { border: 1px solid var(--line); padding: 3px 8px; text-align: left;
-         vertical-align: top; }
+         vertical-align: top; overflow-wrap: anywhere; }
 th { background: var(--bg-soft); font-weight: 600; }
 td.num, th.num { text-align: right; font-variant-numeric: tabular-nums; }
 .muted { color: var(--muted); }
