@@ -12,6 +12,9 @@ import shlex
 import sys
 import threading
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import pytest
 
@@ -217,24 +220,46 @@ def device_audit_for(item: pytest.Item) -> bool:
 
 
 def run_item(item: pytest.Function) -> None:
-    settings = settings_of(item.config)
-    world_size = world_size_of(item)
     kwargs = {name: item.funcargs[name] for name in item._fixtureinfo.argnames}
+    run_on_ranks(item, item.obj, (), kwargs)
+
+
+@dataclass(frozen=True)
+class PoolChoice:
+    """Where an item runs when it does not take the session's launcher and backend (an
+    adopted ``MultiThreadedTestCase`` runs on rank threads), or needs a pool of its own."""
+
+    launcher: str | None = None
+    backend: str | None = None
+    fresh: bool = False
+
+
+def run_on_ranks(
+    item: pytest.Item,
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    choice: PoolChoice = PoolChoice(),
+) -> RunResult:
+    """Run ``fn(*args, **kwargs)`` on the item's ranks and turn the result into pytest's
+    verdict: return when every rank passed, raise skip, xfail or a DistributedFailure."""
+    settings = settings_of(item.config)
+    launcher = choice.launcher or settings.launcher
+    backend = choice.backend or settings.backend
+    world_size = world_size_of(item)
     deadline = deadline_for(item, settings.deadline)
     world = external_world(item.config)
     try:
         task = build_task(
-            item.obj,
-            (),
+            fn,
+            args,
             kwargs,
             test_id=item.nodeid,
             seed=settings.seed,
             deadline=deadline,
             memory_limit=memory_limit_for(item),
             # Rank threads share one warnings state: the thread launcher captures nothing.
-            warning_filters=filters_from_config(item.config)
-            if settings.launcher != "thread"
-            else (),
+            warning_filters=filters_from_config(item.config) if launcher != "thread" else (),
             device_audit=device_audit_for(item),
             # Under torchrun every rank is a pytest process that rewrote its own modules.
             assertions=None if world is not None else assertion_settings_of(item.config),
@@ -246,11 +271,13 @@ def run_item(item: pytest.Function) -> None:
         if world.broken_reason is not None:
             item.session.shouldstop = world.broken_reason
     else:
-        fresh = settings.fresh_pool or item.get_closest_marker("fresh_pool") is not None
+        fresh = (
+            choice.fresh or settings.fresh_pool or item.get_closest_marker("fresh_pool") is not None
+        )
         key = pool_key(
-            launcher=settings.launcher,
+            launcher=launcher,
             world_size=world_size,
-            backend=settings.backend,
+            backend=backend,
             device_type=settings.device_type,
             threads_per_rank=settings.threads_for(world_size),
             rendezvous=settings.rendezvous,
@@ -276,7 +303,8 @@ def run_item(item: pytest.Function) -> None:
     item.user_properties.append(
         (RANK_OUTCOMES_PROPERTY, " ".join(f"{r.rank}:{r.outcome.value}" for r in run.results))
     )
-    _conclude(item, settings, run)
+    _conclude(item, settings, run, f"{launcher}/{backend}/{settings.device_type}")
+    return run
 
 
 _RUN_PROPERTIES = frozenset({RANK_OUTCOMES_PROPERTY, REPRODUCE_PROPERTY})
@@ -290,17 +318,14 @@ def _group_by_violation(run: RunResult) -> dict[str, list[int]]:
     return grouped
 
 
-def _conclude(item: pytest.Function, settings: DistSettings, run: RunResult) -> None:
+def _conclude(item: pytest.Item, settings: DistSettings, run: RunResult, where: str) -> None:
     if run.ok:
         if run.all_skipped:
             pytest.skip(_joined_reasons(run, Outcome.SKIPPED))
         if run.by_outcome(Outcome.XFAILED):
             pytest.xfail(_joined_reasons(run, Outcome.XFAILED))
         return
-    context = (
-        f"ws {run.world_size}, {settings.launcher}/{settings.backend}/{settings.device_type}, "
-        f"seed {run.seed}"
-    )
+    context = f"ws {run.world_size}, {where}, seed {run.seed}"
     command = reproducer(item, settings)
     item.user_properties.append((REPRODUCE_PROPERTY, command))
     raise DistributedFailure(run, context=context, reproducer=command)

@@ -33,6 +33,8 @@ SETTINGS_KEY = pytest.StashKey[DistSettings]()
 POOLS_KEY = pytest.StashKey["PoolManager"]()
 EXTERNAL_KEY = pytest.StashKey["ExternalWorld"]()
 ASSERTIONS_KEY = pytest.StashKey["AssertionSettings | None"]()
+#: The world size of a distributed item that is not a ``world_size``-parametrized function.
+ITEM_WORLD_SIZE_KEY = pytest.StashKey[int]()
 # Set under torchrun/srun on every rank but 0: its report goes to a file.
 DIVERSION_KEY = pytest.StashKey[ReportDiversion | None]()
 
@@ -77,8 +79,10 @@ def prints_the_report(config: pytest.Config) -> bool:
 
 
 def world_size_of(item: pytest.Item) -> int | None:
-    """The world size a ``world_size``-marked item runs at; None for any other item."""
+    """The world size a distributed item runs at: a ``world_size``-marked test's parameter,
+    or the size an item that is not a Python function declared (:data:`ITEM_WORLD_SIZE_KEY`,
+    e.g. an adopted unittest method); None for any other item."""
     callspec = getattr(item, "callspec", None)
     if callspec is None:
-        return None
+        return item.stash.get(ITEM_WORLD_SIZE_KEY, None)
     return callspec.params.get(WORLD_SIZE_PARAM)

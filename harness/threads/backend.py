@@ -552,13 +552,20 @@ def _create(backend_opts: Any, backend_options: Any) -> ThreadedProcessGroup:
     )
 
 
-def register_threaded_backend() -> None:
-    """Register ``threaded`` with c10d once per process (idempotent)."""
+def register_threaded_backend(*, reclaim: bool = False) -> None:
+    """Register ``threaded`` with c10d once per process (idempotent).
+
+    ``reclaim`` takes the name back from a module that registered its own ``threaded`` in
+    this process: torch's multi-threaded test process group does so when its test package is
+    imported, which an adopted ``MultiThreadedTestCase`` module does on the rank threads
+    (``--dist-adopt``); that group is only ever created by torch's own test runner, which
+    adoption replaces. Without ``reclaim`` such a registration is an error.
+    """
     global _registered
     with _register_lock:
-        if _registered:
+        if _registered and not reclaim:
             return
-        if BACKEND_NAME in dist.Backend.backend_list:
+        if not _registered and not reclaim and BACKEND_NAME in dist.Backend.backend_list:
             raise RuntimeError(
                 "another 'threaded' c10d backend is already registered in this process "
                 "(torch's own multi-threaded test process group?); it cannot coexist "

@@ -1,0 +1,163 @@
+"""pytest side of ``--dist-adopt``: torch's distributed unittest classes as warm-pool items.
+
+Registered by :mod:`harness.plugin` when ``--dist-adopt`` (or ini ``dist_adopt``) is set. A
+``unittest.TestCase`` class of the ``MultiProcessTestCase`` or ``MultiThreadedTestCase``
+family (:func:`~harness.adopt._torch_test_harness.family_of`) is collected by this plugin
+instead of pytest's unittest plugin: one :class:`AdoptedMethod` item per test method, with
+the node id pytest gives it anyway (``path::Class::test_method``), at the class's own
+``world_size``. Running one sends :func:`harness.adopt.rank.run_adopted_method` to a warm
+pool of that size: the session's launcher for the process family, rank threads on the
+``threaded`` backend for the thread family. Everything a distributed test gets applies:
+rank-consistent skips, the per-rank report, hang stacks, the reproduce command.
+
+unittest's own markers become pytest's: ``@unittest.skip`` / ``skipIf`` on the class or the
+method is a skip at collection, ``@unittest.expectedFailure`` a strict xfail. A class whose
+test leaves a rank with state the hygiene check flags is named in an
+:class:`AdoptedClassWarning`, and its later tests each get a fresh pool.
+"""
+
+from __future__ import annotations
+
+import inspect
+import tempfile
+import unittest
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from harness.adopt import _torch_test_harness as torch_harness
+from harness.adopt.rank import run_adopted_method
+from harness.pytest_run import RUN_KEY, PoolChoice, run_on_ranks
+from harness.session import ITEM_WORLD_SIZE_KEY
+
+PLUGIN_NAME = "distconform-adopt"
+OPTION = "--dist-adopt"
+#: Classes that broke the warm-pool contract in this session, and why.
+_BROKE_CONTRACT_KEY = pytest.StashKey[dict[type, str]]()
+#: The differences from their own harness already reported (each once a session).
+_WARNED_KEY = pytest.StashKey[set[str]]()
+
+
+class AdoptedClassWarning(pytest.PytestWarning):
+    """An adopted class runs differently from its own harness (the pool's group serves its
+    init_process_group) or from the other classes (a fresh pool per test)."""
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.stash[_BROKE_CONTRACT_KEY] = {}
+    config.stash[_WARNED_KEY] = set()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_pycollect_makeitem(
+    collector: pytest.Collector, name: str, obj: object
+) -> pytest.Collector | None:
+    if not (isinstance(obj, type) and issubclass(obj, unittest.TestCase)):
+        return None
+    if torch_harness.family_of(obj) is None:
+        return None
+    if not unittest.TestLoader().getTestCaseNames(obj):
+        return None  # a base class (FSDPTest itself, imported): pytest's plugin finds nothing
+    return AdoptedClass.from_parent(collector, name=name, obj=obj)
+
+
+def pytest_distconform_reproducer_args(config: pytest.Config) -> list[str]:
+    return [OPTION]
+
+
+class AdoptedClass(pytest.Collector):
+    def __init__(self, *, obj: type, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.obj = obj
+
+    def collect(self) -> list[pytest.Item]:
+        return [
+            AdoptedMethod.from_parent(self, name=name)
+            for name in unittest.TestLoader().getTestCaseNames(self.obj)
+        ]
+
+
+class AdoptedMethod(pytest.Item):
+    """One test method of an adopted class, run on the ranks of a warm pool."""
+
+    parent: AdoptedClass
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        test_class = self.parent.obj
+        self.test_class = test_class
+        self.family = torch_harness.family_of(test_class)
+        method = getattr(test_class, self.name)
+        for holder in (test_class, method):
+            if getattr(holder, "__unittest_skip__", False):
+                self.add_marker(pytest.mark.skip(reason=holder.__unittest_skip_why__))
+        if getattr(method, "__unittest_expecting_failure__", False):
+            self.add_marker(pytest.mark.xfail(reason="unittest.expectedFailure", strict=True))
+        try:
+            world_size = torch_harness.declared_world_size(test_class, self.name)
+        except Exception as exc:
+            raise self.CollectError(
+                f"{test_class.__qualname__}.world_size could not be read in pytest: {exc!r}"
+            ) from None
+        if world_size < 1:
+            raise self.CollectError(
+                f"{test_class.__qualname__}.world_size is {world_size}: an adopted class needs "
+                f"at least one rank"
+            )
+        self.stash[ITEM_WORLD_SIZE_KEY] = world_size
+
+    def runtest(self) -> None:
+        broke = self.config.stash[_BROKE_CONTRACT_KEY]
+        choice = PoolChoice(
+            launcher="thread" if self.family == torch_harness.THREAD_FAMILY else None,
+            backend="threaded" if self.family == torch_harness.THREAD_FAMILY else None,
+            fresh=self.test_class in broke,
+        )
+        with tempfile.TemporaryDirectory(prefix="distconform-adopt-") as directory:
+            # The store file the class expects in self.file_name: shared by its ranks.
+            store_file = Path(directory, "store")
+            store_file.touch()
+            try:
+                run_on_ranks(
+                    self,
+                    run_adopted_method,
+                    (self.test_class, self.name, str(store_file)),
+                    {},
+                    choice,
+                )
+            finally:
+                self._report_differences()
+                self._note_contract(broke)
+
+    def _report_differences(self) -> None:
+        """How the class ran differently from its own harness, once per session."""
+        run = self.stash.get(RUN_KEY, None)
+        if run is None:
+            return
+        warned = self.config.stash[_WARNED_KEY]
+        for value in run.values:
+            for difference in value or ():
+                if difference not in warned:
+                    warned.add(difference)
+                    self.warn(AdoptedClassWarning(difference))
+
+    def _note_contract(self, broke: dict[type, str]) -> None:
+        run = self.stash.get(RUN_KEY, None)
+        if run is None or not run.hygiene_violations or self.test_class in broke:
+            return
+        reason = sorted({v for found in run.hygiene_violations.values() for v in found})[0]
+        broke[self.test_class] = reason
+        self.warn(
+            AdoptedClassWarning(
+                f"{self.test_class.__qualname__} leaves its ranks changed ({reason}): its "
+                f"other tests in this session run on a fresh pool each"
+            )
+        )
+
+    def reportinfo(self) -> tuple[Path, int | None, str]:
+        try:
+            line = inspect.getsourcelines(getattr(self.test_class, self.name))[1] - 1
+        except (OSError, TypeError):
+            line = None
+        return self.path, line, f"{self.test_class.__qualname__}.{self.name}"

@@ -1,0 +1,158 @@
+"""What each rank runs for an adopted test method.
+
+The rank already holds the harness's default process group, so the class's own calls to
+``init_process_group`` and ``destroy_process_group`` are served from it while the method
+runs (:func:`serving_the_default_group`): an init that asks for this world (any backend,
+store or init method) returns at once, a destroy of the default group is left to the pool,
+and every such difference goes back to pytest, which warns once per class. An
+init that asks for another world size or rank fails the test with both numbers: the pool
+would otherwise run the method on a world it was not written for.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed import distributed_c10d
+
+from harness.adopt import _torch_test_harness as torch_harness
+from harness.threads.backend import register_threaded_backend
+
+
+class AdoptionError(AssertionError):
+    """An adopted method asked for a world the pool does not have."""
+
+
+def run_adopted_method(test_class: type, method_name: str, file_name: str) -> list[str]:
+    """Build the rank's instance of ``test_class`` and run ``method_name`` on it; returns how
+    the run differed from the class's own harness (the pytest side reports them)."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    instance = torch_harness.build_instance(test_class, method_name, rank, file_name)
+    declared = int(instance.world_size)
+    if declared != world_size:
+        raise AdoptionError(
+            f"{test_class.__qualname__}.world_size is {declared} on this rank but the pool has "
+            f"{world_size} ranks: the property must give the same value in pytest and in "
+            f"the ranks"
+        )
+    if torch_harness.is_dtensor_test(test_class):
+        # with_comms creates and destroys the group around each method: the pool's serves.
+        instance.init_pg = lambda *args, **kwargs: None
+        instance.destroy_pg = lambda *args, **kwargs: dist.barrier()
+
+    def body() -> None:
+        _run_body(test_class, instance, method_name)
+
+    with serving_the_default_group(test_class.__qualname__) as differences:
+        if torch_harness.family_of(test_class) == torch_harness.THREAD_FAMILY:
+            # Importing the test module registered torch's own 'threaded' backend, which
+            # any new_group() of the body would otherwise create.
+            register_threaded_backend(reclaim=True)
+            torch_harness.run_per_thread_hooks(instance, body)
+        else:
+            body()
+    return differences
+
+
+def _run_body(test_class: type, instance: Any, method_name: str) -> None:
+    if torch_harness.is_fsdp_test(test_class):
+        # FSDPTest's own child: a barrier and a compiler reset on each side of the body.
+        dist.barrier()
+        torch.compiler.reset()
+        torch_harness.seed_like_torch()
+        torch_harness.call_test_method(instance, method_name)
+        torch.compiler.reset()
+        dist.barrier()
+    else:
+        torch_harness.seed_like_torch()
+        torch_harness.call_test_method(instance, method_name)
+
+
+# --- the class's own init_process_group / destroy_process_group ----------------------------
+
+_serving = threading.local()  # per rank thread: the class being served, and its differences
+_installed = threading.Lock()
+_originals: dict[str, Callable[..., Any]] = {}
+
+
+@contextmanager
+def serving_the_default_group(class_name: str) -> Iterator[list[str]]:
+    """While the block runs on this thread, serve init/destroy of the default group from
+    the pool's group; yields the differences it noted (each once)."""
+    _install()
+    differences: list[str] = []
+    _serving.state = (class_name, differences)
+    try:
+        yield differences
+    finally:
+        _serving.state = None
+
+
+def _install() -> None:
+    """Replace the two functions once per process; they defer to torch's own on any thread
+    not running an adopted method, so a rank that runs other tests sees no change."""
+    with _installed:
+        if _originals:
+            return
+        for name, served in (
+            ("init_process_group", _served_init),
+            ("destroy_process_group", _served_destroy),
+        ):
+            _originals[name] = getattr(distributed_c10d, name)
+            for module in (dist, distributed_c10d):
+                setattr(module, name, served)
+
+
+def _state() -> tuple[str, list[str]] | None:
+    return getattr(_serving, "state", None)
+
+
+def _note(differences: list[str], text: str) -> None:
+    if text not in differences:
+        differences.append(text)
+
+
+def _served_init(*args: Any, **kwargs: Any) -> None:
+    state = _state()
+    if state is None or not dist.is_initialized():
+        return _originals["init_process_group"](*args, **kwargs)
+    class_name, differences = state
+    backend = kwargs.get("backend", args[0] if args else None)
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    asked_size, asked_rank = kwargs.get("world_size", -1), kwargs.get("rank", -1)
+    if asked_size not in (-1, None, world_size) or asked_rank not in (-1, None, rank):
+        raise AdoptionError(
+            f"{class_name} calls init_process_group(world_size={asked_size}, rank={asked_rank}) "
+            f"on rank {rank} of a pool of {world_size}: run it at its own world size"
+        )
+    pool_backend = dist.get_backend()
+    if backend is not None and str(backend).lower() != pool_backend:
+        _note(
+            differences,
+            f"{class_name}: init_process_group(backend={backend!r}) runs on the pool's "
+            f"{pool_backend!r} group",
+        )
+    if any(kwargs.get(key) is not None for key in ("store", "init_method")):
+        _note(
+            differences,
+            f"{class_name}: init_process_group's own store or init_method is not used; the "
+            f"pool's group serves it",
+        )
+    return None
+
+
+def _served_destroy(group: Any = None, *args: Any, **kwargs: Any) -> None:
+    state = _state()
+    if state is None or (group is not None and group is not dist.group.WORLD):
+        return _originals["destroy_process_group"](group, *args, **kwargs)
+    class_name, differences = state
+    _note(
+        differences,
+        f"{class_name}: destroy_process_group() of the default group is left to the pool",
+    )
+    return None
