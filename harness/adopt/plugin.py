@@ -11,7 +11,9 @@ pool of that size: the session's launcher for the process family, rank threads o
 rank-consistent skips, the per-rank report, hang stacks, the reproduce command.
 
 unittest's own markers become pytest's: ``@unittest.skip`` / ``skipIf`` on the class or the
-method is a skip at collection, ``@unittest.expectedFailure`` a strict xfail. A class whose
+method is a skip at collection, ``@unittest.expectedFailure`` a strict xfail; pytest marks on
+the class or the method (``deadline``, ``fresh_pool``, ``slow``...) apply as they would to a
+``world_size`` test. A class whose
 test leaves a rank with state the hygiene check flags is named in an
 :class:`AdoptedClassWarning`, and its later tests each get a fresh pool.
 """
@@ -70,6 +72,7 @@ class AdoptedClass(pytest.Collector):
     def __init__(self, *, obj: type, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.obj = obj
+        _add_pytest_marks(self, obj)
 
     def collect(self) -> list[pytest.Item]:
         return [
@@ -89,6 +92,7 @@ class AdoptedMethod(pytest.Item):
         self.test_class = test_class
         self.family = torch_harness.family_of(test_class)
         method = getattr(test_class, self.name)
+        _add_pytest_marks(self, method)
         for holder in (test_class, method):
             if getattr(holder, "__unittest_skip__", False):
                 self.add_marker(pytest.mark.skip(reason=holder.__unittest_skip_why__))
@@ -161,3 +165,11 @@ class AdoptedMethod(pytest.Item):
         except (OSError, TypeError):
             line = None
         return self.path, line, f"{self.test_class.__qualname__}.{self.name}"
+
+
+def _add_pytest_marks(node: pytest.Node, holder: object) -> None:
+    """pytest marks put on the class or the method (``@pytest.mark.deadline(60)``,
+    ``fresh_pool``, ``slow``): they apply as to any distributed test."""
+    for mark in getattr(holder, "pytestmark", None) or ():
+        decorator = getattr(pytest.mark, mark.name).with_args(*mark.args, **mark.kwargs)
+        node.add_marker(decorator, append=True)

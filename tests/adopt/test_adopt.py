@@ -1,0 +1,335 @@
+"""``--dist-adopt`` on test classes written for torch's own distributed harness.
+
+One pytest session runs ``SAMPLE`` (every base class of the family, the conventions those
+tests use, a failure, a hang, a class that changes process-wide state) and writes a JUnit
+file; each test below checks one aspect of that session, so it is paid for once.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import xml.etree.ElementTree as ElementTree
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+SAMPLE = """
+import os
+import threading
+import unittest
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard, distribute_tensor
+from torch.testing._internal.common_distributed import (
+    MultiProcessTestCase,
+    MultiThreadedTestCase,
+    skip_if_lt_x_gpu,
+)
+from torch.testing._internal.common_fsdp import FSDPTest
+from torch.testing._internal.common_utils import instantiate_parametrized_tests, parametrize
+from torch.testing._internal.distributed._tensor.common_dtensor import DTensorTestBase, with_comms
+
+
+class TestProcesses(MultiProcessTestCase):
+    @property
+    def world_size(self):
+        return 2
+
+    def setUp(self):  # as such classes are written; adoption never calls it (it spawns)
+        super().setUp()
+        self._spawn_processes()
+
+    def _init(self, world_size=None):
+        dist.init_process_group(
+            "gloo",
+            store=dist.FileStore(self.file_name, self.world_size),
+            rank=self.rank,
+            world_size=world_size or self.world_size,
+        )
+
+    def test_all_reduce(self):
+        self._init()
+        value = torch.ones(3) * (self.rank + 1)
+        dist.all_reduce(value)
+        self.assertEqual(value, torch.full((3,), 3.0))
+        dist.destroy_process_group()
+
+    def test_rank_and_the_shared_store_file(self):
+        self.assertEqual(self.rank, dist.get_rank())
+        self.assertTrue(os.path.exists(self.file_name))
+        names = [None, None]
+        dist.all_gather_object(names, self.file_name)
+        self.assertEqual(names[0], names[1])
+
+    def test_seeded_as_torch_seeds_its_children(self):
+        expected = torch.rand(3, generator=torch.Generator().manual_seed(1234))
+        self.assertEqual(torch.rand(3), expected)
+
+    @skip_if_lt_x_gpu(2)
+    def test_needs_two_gpus(self):
+        raise AssertionError("a CPU run must skip this")
+
+    @unittest.skip("not today")
+    def test_skipped_by_unittest(self):
+        raise AssertionError("skipped at collection")
+
+    @unittest.expectedFailure
+    def test_expected_to_fail(self):
+        self.assertEqual(1, 2)
+
+    @parametrize("factor", [1, 3])
+    def test_parametrized(self, factor):
+        self.assertEqual(dist.get_world_size() * factor, 2 * factor)
+
+    def test_fails_on_rank_1(self):
+        self.assertNotEqual(self.rank, 1, "rank 1 disagrees")
+
+    def test_asks_for_another_world_size(self):
+        self._init(world_size=4)
+
+    @pytest.mark.deadline(3)
+    def test_rank_0_waits_for_a_rank_that_left(self):
+        if self.rank == 0:
+            dist.barrier()
+
+    def test_after_the_failures(self):
+        dist.barrier()
+
+
+instantiate_parametrized_tests(TestProcesses)
+
+
+class TestFourRanks(MultiProcessTestCase):
+    @property
+    def world_size(self):
+        return 4
+
+    def test_world(self):
+        self.assertEqual(dist.get_world_size(), 4)
+
+
+class TestThreads(MultiThreadedTestCase):
+    @property
+    def world_size(self):
+        return 4
+
+    def setUp(self):
+        super().setUp()
+        self._spawn_threads()
+
+    def test_on_rank_threads_of_the_threaded_backend(self):
+        self.assertIsNot(threading.current_thread(), threading.main_thread())
+        self.assertEqual(type(dist.group.WORLD).__name__, "ThreadedProcessGroup")
+        value = torch.ones(2)
+        dist.all_reduce(value)
+        self.assertEqual(value, torch.full((2,), 4.0))
+        pair = dist.new_group([0, 1])
+        if self.rank < 2:
+            self.assertEqual(type(pair).__name__, "ThreadedProcessGroup")
+            dist.all_reduce(value, group=pair)
+            self.assertEqual(value, torch.full((2,), 8.0))
+
+
+class TestFSDPStyle(FSDPTest):
+    @property
+    def world_size(self):
+        return 2
+
+    def test_run_subtests(self):
+        calls = []
+        self.run_subtests({"a": [1, 2], "b": [True, False]}, self._check, calls)
+        self.assertEqual(len(calls), 4)
+
+    def _check(self, calls, a, b):
+        value = torch.full((1,), float(a))
+        dist.all_reduce(value)
+        self.assertEqual(value.item(), 2.0 * a)
+        calls.append((a, b))
+
+
+class TestDTensorStyle(DTensorTestBase):
+    @property
+    def world_size(self):
+        return 2
+
+    @with_comms
+    def test_mesh_and_dtensor(self):
+        mesh = init_device_mesh(self.device_type, (self.world_size,))
+        local = distribute_tensor(torch.arange(4.0), mesh, [Shard(0)])
+        self.assertEqual(local.full_tensor(), torch.arange(4.0))
+
+
+class TestChangesDefaultDtype(MultiProcessTestCase):
+    @property
+    def world_size(self):
+        return 2
+
+    def test_1_leaves_float64_behind(self):
+        torch.set_default_dtype(torch.float64)
+
+    def test_2_still_runs(self):
+        self.assertEqual(torch.get_default_dtype(), torch.float32)
+        RAN_IN_THIS_PROCESS.append("test_2")
+
+    def test_3_runs_on_a_pool_of_its_own(self):
+        self.assertEqual(RAN_IN_THIS_PROCESS, [])
+
+
+RAN_IN_THIS_PROCESS = []
+"""
+
+
+@pytest.fixture(scope="module")
+def adopted(tmp_path_factory) -> tuple[subprocess.CompletedProcess, dict[str, tuple[str, str]]]:
+    root = tmp_path_factory.mktemp("adopt")
+    (root / "test_sample.py").write_text(textwrap.dedent(SAMPLE))
+    (root / "pytest.ini").write_text("[pytest]\n")
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
+    command = [
+        sys.executable, "-m", "pytest", "test_sample.py", "--dist-adopt", "-rA",
+        "-p", "no:cacheprovider", "--dist-peer-grace", "0.5", "--junitxml", "junit.xml",
+    ]  # fmt: skip
+    done = subprocess.run(
+        command, cwd=root, env=env, capture_output=True, text=True, timeout=300, check=False
+    )
+    junit = root / "junit.xml"
+    assert junit.exists(), done.stdout + done.stderr
+    outcomes = {}
+    for case in ElementTree.parse(junit).iter("testcase"):
+        name = f"{case.get('classname').rsplit('.', 1)[-1]}::{case.get('name')}"
+        child = next((c for c in case if c.tag in ("failure", "error", "skipped")), None)
+        outcomes[name] = (
+            "passed" if child is None else child.tag,
+            "" if child is None else (child.get("message") or ""),
+        )
+    return done, outcomes
+
+
+def test_every_method_is_one_item_with_its_own_outcome(adopted):
+    done, outcomes = adopted
+    statuses = {name: status for name, (status, _) in outcomes.items()}
+    assert statuses == {
+        "TestProcesses::test_all_reduce": "passed",
+        "TestProcesses::test_rank_and_the_shared_store_file": "passed",
+        "TestProcesses::test_seeded_as_torch_seeds_its_children": "passed",
+        "TestProcesses::test_needs_two_gpus": "skipped",
+        "TestProcesses::test_skipped_by_unittest": "skipped",
+        "TestProcesses::test_expected_to_fail": "skipped",  # JUnit's word for xfailed
+        "TestProcesses::test_parametrized_factor_1": "passed",
+        "TestProcesses::test_parametrized_factor_3": "passed",
+        "TestProcesses::test_fails_on_rank_1": "failure",
+        "TestProcesses::test_asks_for_another_world_size": "failure",
+        "TestProcesses::test_rank_0_waits_for_a_rank_that_left": "failure",
+        "TestProcesses::test_after_the_failures": "passed",
+        "TestFourRanks::test_world": "passed",
+        "TestThreads::test_on_rank_threads_of_the_threaded_backend": "passed",
+        "TestFSDPStyle::test_run_subtests": "passed",
+        "TestDTensorStyle::test_mesh_and_dtensor": "passed",
+        "TestChangesDefaultDtype::test_1_leaves_float64_behind": "passed",
+        "TestChangesDefaultDtype::test_2_still_runs": "passed",
+        "TestChangesDefaultDtype::test_3_runs_on_a_pool_of_its_own": "passed",
+    }, done.stdout[-6000:]
+    assert (
+        "XFAIL test_sample.py::TestProcesses::test_expected_to_fail - unittest.expectedFailure"
+        in done.stdout
+    )
+
+
+def test_skips_keep_their_reasons(adopted):
+    _, outcomes = adopted
+    assert (
+        "Need at least 2 CUDA devices (exit code 77)"
+        in (outcomes["TestProcesses::test_needs_two_gpus"][1])
+    )
+    assert outcomes["TestProcesses::test_skipped_by_unittest"][1].endswith("not today")
+
+
+def failure_section(stdout: str, method: str) -> str:
+    start = stdout.index(f"_ TestProcesses.{method} _")
+    end = stdout.find("\n____", start + 1)
+    return stdout[start:end]
+
+
+def test_a_failing_method_gets_the_harness_report(adopted):
+    done, _ = adopted
+    report = failure_section(done.stdout, "test_fails_on_rank_1")
+    lines = report.splitlines()
+    assert lines[1].startswith("rank 1 failed: AssertionError:"), report
+    assert "rank 1 disagrees" in lines[1]
+    assert "ws 2, process/gloo/cpu" in lines[1]
+    assert "reproduce with:" in report
+    assert (
+        "-m pytest test_sample.py::TestProcesses::test_fails_on_rank_1 --launcher process" in report
+    )
+    assert report.rstrip().endswith("--dist-adopt"), report
+
+
+def test_a_rank_left_waiting_gets_the_collective_trace(adopted):
+    done, _ = adopted
+    report = failure_section(done.stdout, "test_rank_0_waits_for_a_rank_that_left")
+    assert report.splitlines()[1].startswith("rank 0 failed"), report
+    assert "collective trace: rank 1 never arrived at barrier #0 on group world" in report
+    assert "rank 0 called barrier - (dist.barrier) at test_sample.py:" in report
+
+
+def test_an_init_for_another_world_fails_with_both_sizes(adopted):
+    done, _ = adopted
+    report = failure_section(done.stdout, "test_asks_for_another_world_size")
+    assert (
+        "TestProcesses calls init_process_group(world_size=4, rank=0) on rank 0 of a pool of 2"
+        in report
+    ), report
+
+
+def test_differences_from_the_classes_own_harness_are_warned_once(adopted):
+    done, _ = adopted
+    for difference in (
+        "TestProcesses: init_process_group's own store or init_method is not used",
+        "TestProcesses: destroy_process_group() of the default group is left to the pool",
+    ):
+        assert done.stdout.count(difference) == 1, done.stdout[-4000:]
+
+
+def test_a_class_that_changes_process_state_gets_fresh_pools_and_a_warning(adopted):
+    done, outcomes = adopted
+    assert (
+        "TestChangesDefaultDtype leaves its ranks changed (torch default dtype changed from "
+        in done.stdout
+    ), done.stdout[-4000:]
+    assert "its other tests in this session run on a fresh pool each" in done.stdout
+    assert outcomes["TestChangesDefaultDtype::test_2_still_runs"][0] == "passed"
+    # test_3 would see test_2's entry in a module of the same warm rank.
+    assert outcomes["TestChangesDefaultDtype::test_3_runs_on_a_pool_of_its_own"][0] == "passed"
+
+
+def test_without_the_option_pytest_runs_them_with_torchs_own_harness(tmp_path):
+    (tmp_path / "test_sample.py").write_text(textwrap.dedent(SAMPLE))
+    env = dict(
+        os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
+    )
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert "test_sample.py::TestProcesses::test_all_reduce" in done.stdout, done.stdout
+    assert "AdoptedMethod" not in done.stdout
+    adopted_ids = subprocess.run(
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+         "--dist-adopt"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    # The same node ids either way: selections and CI configurations keep working.
+    assert sorted(_ids(adopted_ids.stdout)) == sorted(_ids(done.stdout))
+
+
+def _ids(stdout: str) -> list[str]:
+    return [line for line in stdout.splitlines() if line.startswith("test_sample.py::")]
