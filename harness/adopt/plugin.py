@@ -6,9 +6,13 @@ family (:func:`~harness.adopt._torch_test_harness.family_of`) is collected by th
 instead of pytest's unittest plugin: one :class:`AdoptedMethod` item per test method, with
 the node id pytest gives it anyway (``path::Class::test_method``), at the class's own
 ``world_size``. Running one sends :func:`harness.adopt.rank.run_adopted_method` to a warm
-pool of that size: the session's launcher for the process family, rank threads on the
-``threaded`` backend for the thread family. Everything a distributed test gets applies:
-rank-consistent skips, the per-rank report, hang stacks, the reproduce command.
+pool of that size on the session's launcher, for both families: ``--launcher thread`` runs a
+``MultiThreadedTestCase`` on rank threads and the ``threaded`` backend, as its own harness
+would. The default process launcher runs it in rank processes: the thread launcher's ranks
+take turns (harness/threads/world.py), and a collective that torch waits for in C++ without
+returning to Python (DDP's reducer in ``replicate``'s backward) never lets the other rank
+take its turn. Everything a distributed test gets applies: rank-consistent skips, the
+per-rank report, hang stacks, the reproduce command.
 
 unittest's own markers become pytest's: ``@unittest.skip`` / ``skipIf`` on the class or the
 method is a skip at collection, ``@unittest.expectedFailure`` a strict xfail; pytest marks on
@@ -90,7 +94,6 @@ class AdoptedMethod(pytest.Item):
         super().__init__(**kwargs)
         test_class = self.parent.obj
         self.test_class = test_class
-        self.family = torch_harness.family_of(test_class)
         method = getattr(test_class, self.name)
         _add_pytest_marks(self, method)
         for holder in (test_class, method):
@@ -113,11 +116,7 @@ class AdoptedMethod(pytest.Item):
 
     def runtest(self) -> None:
         broke = self.config.stash[_BROKE_CONTRACT_KEY]
-        choice = PoolChoice(
-            launcher="thread" if self.family == torch_harness.THREAD_FAMILY else None,
-            backend="threaded" if self.family == torch_harness.THREAD_FAMILY else None,
-            fresh=self.test_class in broke,
-        )
+        choice = PoolChoice(fresh=self.test_class in broke)
         with tempfile.TemporaryDirectory(prefix="distconform-adopt-") as directory:
             # The store file the class expects in self.file_name: shared by its ranks.
             store_file = Path(directory, "store")

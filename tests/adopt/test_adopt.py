@@ -125,15 +125,17 @@ class TestThreads(MultiThreadedTestCase):
         super().setUp()
         self._spawn_threads()
 
-    def test_on_rank_threads_of_the_threaded_backend(self):
-        self.assertIsNot(threading.current_thread(), threading.main_thread())
-        self.assertEqual(type(dist.group.WORLD).__name__, "ThreadedProcessGroup")
+    def test_all_reduce_and_a_subgroup(self):
+        if os.environ.get("EXPECT_RANK_THREADS"):  # the --launcher thread session
+            self.assertIsNot(threading.current_thread(), threading.main_thread())
+            self.assertEqual(type(dist.group.WORLD).__name__, "ThreadedProcessGroup")
         value = torch.ones(2)
         dist.all_reduce(value)
         self.assertEqual(value, torch.full((2,), 4.0))
         pair = dist.new_group([0, 1])
         if self.rank < 2:
-            self.assertEqual(type(pair).__name__, "ThreadedProcessGroup")
+            if os.environ.get("EXPECT_RANK_THREADS"):  # ours, not torch's ProcessLocalGroup
+                self.assertEqual(type(pair).__name__, "ThreadedProcessGroup")
             dist.all_reduce(value, group=pair)
             self.assertEqual(value, torch.full((2,), 8.0))
 
@@ -231,7 +233,7 @@ def test_every_method_is_one_item_with_its_own_outcome(adopted):
         "TestProcesses::test_rank_0_waits_for_a_rank_that_left": "failure",
         "TestProcesses::test_after_the_failures": "passed",
         "TestFourRanks::test_world": "passed",
-        "TestThreads::test_on_rank_threads_of_the_threaded_backend": "passed",
+        "TestThreads::test_all_reduce_and_a_subgroup": "passed",
         "TestFSDPStyle::test_run_subtests": "passed",
         "TestDTensorStyle::test_mesh_and_dtensor": "passed",
         "TestChangesDefaultDtype::test_1_leaves_float64_behind": "passed",
@@ -309,6 +311,21 @@ def test_a_class_that_changes_process_state_gets_fresh_pools_and_a_warning(adopt
     assert outcomes["TestChangesDefaultDtype::test_2_still_runs"][0] == "passed"
     # test_3 would see test_2's entry in a module of the same warm rank.
     assert outcomes["TestChangesDefaultDtype::test_3_runs_on_a_pool_of_its_own"][0] == "passed"
+
+
+def test_thread_classes_run_on_rank_threads_of_the_thread_launcher(tmp_path):
+    (tmp_path / "test_sample.py").write_text(textwrap.dedent(SAMPLE))
+    env = dict(
+        os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
+    )
+    env["EXPECT_RANK_THREADS"] = "1"
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "test_sample.py::TestThreads", "--dist-adopt",
+         "--launcher", "thread", "-p", "no:cacheprovider"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:]
+    assert "1 passed" in done.stdout
 
 
 def test_without_the_option_pytest_runs_them_with_torchs_own_harness(tmp_path):
