@@ -21,7 +21,6 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
 from harness.adopt import _torch_test_harness as torch_harness
-from harness.threads.backend import ThreadedProcessGroup, register_threaded_backend
 
 
 class AdoptionError(AssertionError):
@@ -50,10 +49,6 @@ def run_adopted_method(test_class: type, method_name: str, file_name: str) -> li
 
     with serving_the_default_group(test_class.__qualname__) as differences:
         if torch_harness.family_of(test_class) == torch_harness.THREAD_FAMILY:
-            if isinstance(dist.group.WORLD, ThreadedProcessGroup):
-                # Importing the test module registered torch's own 'threaded' backend, which
-                # any new_group() of the body would otherwise create.
-                register_threaded_backend(reclaim=True)
             torch_harness.run_per_thread_hooks(instance, body)
         else:
             body()
