@@ -104,7 +104,9 @@ def _module_refs(payload: bytes) -> tuple[ModuleRef, ...]:
         if _MODULE_NAME.match(text):
             strings.add(text)
     refs: dict[str, ModuleRef] = {}
-    for name in sorted(strings):
+    # The harness's own modules first: a rank-side module may prepare the rank for the test's
+    # (harness.adopt.rank serves init_process_group to names a test module binds on import).
+    for name in sorted(strings, key=lambda name: (name.split(".")[0] != "harness", name)):
         if name not in sys.modules or name in sys.builtin_module_names:
             continue
         parts = name.split(".")

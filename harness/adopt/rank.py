@@ -91,7 +91,10 @@ def serving_the_default_group(class_name: str) -> Iterator[list[str]]:
 
 def _install() -> None:
     """Replace the two functions once per process; they defer to torch's own on any thread
-    not running an adopted method, so a rank that runs other tests sees no change."""
+    not running an adopted method, so a rank that runs other tests sees no change. Done when
+    this module is imported, which the rank does before the test's module
+    (``harness.task.ensure_modules``), so that ``from torch.distributed import
+    init_process_group`` in a test module binds the served function."""
     with _installed:
         if _originals:
             return
@@ -152,3 +155,6 @@ def _served_destroy(group: Any = None, *args: Any, **kwargs: Any) -> None:
         f"{class_name}: destroy_process_group() of the default group is left to the pool",
     )
     return None
+
+
+_install()

@@ -26,6 +26,8 @@ import unittest
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed import destroy_process_group as bound_destroy
+from torch.distributed import init_process_group as bound_init
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 from torch.testing._internal.common_distributed import (
@@ -61,6 +63,11 @@ class TestProcesses(MultiProcessTestCase):
         dist.all_reduce(value)
         self.assertEqual(value, torch.full((3,), 3.0))
         dist.destroy_process_group()
+
+    def test_init_bound_when_the_module_was_imported(self):
+        bound_init("gloo", store=dist.FileStore(self.file_name, 2), rank=self.rank, world_size=2)
+        dist.barrier()
+        bound_destroy()
 
     def test_rank_and_the_shared_store_file(self):
         self.assertEqual(self.rank, dist.get_rank())
@@ -222,6 +229,7 @@ def test_every_method_is_one_item_with_its_own_outcome(adopted):
     assert statuses == {
         "TestProcesses::test_all_reduce": "passed",
         "TestProcesses::test_rank_and_the_shared_store_file": "passed",
+        "TestProcesses::test_init_bound_when_the_module_was_imported": "passed",
         "TestProcesses::test_seeded_as_torch_seeds_its_children": "passed",
         "TestProcesses::test_needs_two_gpus": "skipped",
         "TestProcesses::test_skipped_by_unittest": "skipped",

@@ -1,0 +1,141 @@
+"""Test files written for torch's distributed harness: outcome and wall time per test under
+torch's own harness and under ``--dist-adopt``, in one table.
+
+    python benchmarks/adopt_torch_files.py PATH [PATH ...] [--out results.json] [-- PYTEST ARGS]
+
+Each file (e.g. PyTorch's ``test/distributed/_composable/fsdp/test_fully_shard_training.py``
+from a checkout) is copied into a fresh temporary directory and run twice, each time as its
+own ``pytest`` session, as a user waits for it: first as pytest runs unittest classes anyway
+(torch's ``MultiProcessTestCase`` / ``MultiThreadedTestCase`` spawn their ranks for every
+test method), then with ``--dist-adopt`` (warm rank pools). The table gives each test's
+outcome and time from pytest's JUnit file, the session walls, their ratio, and first the
+tests that pass under torch's harness but not when adopted (the adapter's regressions; the
+list should be empty). Files are only read: nothing is written next to them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import xml.etree.ElementTree as ElementTree
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+MODES = {"torch": [], "adopt": ["--dist-adopt"]}
+
+
+@dataclass
+class Session:
+    mode: str
+    wall_s: float
+    exit_code: int
+    #: test id -> (outcome, seconds, message)
+    tests: dict[str, tuple[str, float, str]]
+
+
+def run_session(source: Path, mode: str, extra: list[str], timeout: float) -> Session:
+    with tempfile.TemporaryDirectory(prefix=f"adopt-bench-{mode}-") as directory:
+        work = Path(directory)
+        shutil.copy(source, work / source.name)
+        (work / "pytest.ini").write_text("[pytest]\n")
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
+        command = [
+            sys.executable, "-m", "pytest", source.name, "-q", "-p", "no:cacheprovider",
+            "--junitxml", "junit.xml", *MODES[mode], *extra,
+        ]  # fmt: skip
+        started = time.perf_counter()
+        try:
+            done = subprocess.run(
+                command, cwd=work, env=env, capture_output=True, text=True, timeout=timeout
+            )
+            code = done.returncode
+        except subprocess.TimeoutExpired:
+            code = -1
+        wall = time.perf_counter() - started
+        junit = work / "junit.xml"
+        tests = read_junit(junit) if junit.exists() else {}
+    return Session(mode, wall, code, tests)
+
+
+def read_junit(path: Path) -> dict[str, tuple[str, float, str]]:
+    tests = {}
+    for case in ElementTree.parse(path).iter("testcase"):
+        name = f"{case.get('classname', '').rsplit('.', 1)[-1]}::{case.get('name')}"
+        child = next((c for c in case if c.tag in ("failure", "error", "skipped")), None)
+        outcome = "passed" if child is None else {"failure": "failed"}.get(child.tag, child.tag)
+        message = "" if child is None else (child.get("message") or "")
+        if child is not None and child.tag == "skipped" and child.get("type") == "pytest.xfail":
+            outcome = "xfailed"
+        tests[name] = (outcome, float(case.get("time") or 0.0), message)
+    return tests
+
+
+def table(source: Path, torch_run: Session, adopted: Session) -> list[str]:
+    names = sorted(set(torch_run.tests) | set(adopted.tests))
+    regressions = [
+        name
+        for name in names
+        if torch_run.tests.get(name, ("",))[0] == "passed"
+        and adopted.tests.get(name, ("",))[0] != "passed"
+    ]
+    lines = [
+        f"## {source.name}",
+        "",
+        f"session wall: torch's harness {torch_run.wall_s:.1f} s (exit {torch_run.exit_code}), "
+        f"--dist-adopt {adopted.wall_s:.1f} s (exit {adopted.exit_code}): "
+        f"{torch_run.wall_s / adopted.wall_s:.1f}x",
+        f"passes under torch's harness but not adopted: {', '.join(regressions) or 'none'}",
+        "",
+        "| test | torch's harness | s | --dist-adopt | s |",
+        "|---|---|---:|---|---:|",
+    ]
+    for name in names:
+        before = torch_run.tests.get(name, ("not run", 0.0, ""))
+        after = adopted.tests.get(name, ("not run", 0.0, ""))
+        lines.append(
+            f"| `{name}` | {_outcome(before)} | {before[1]:.2f} | {_outcome(after)} | "
+            f"{after[1]:.2f} |"
+        )
+    return lines
+
+
+def _outcome(result: tuple[str, float, str]) -> str:
+    outcome, _, message = result
+    if outcome in ("skipped", "failed") and message:
+        short = message.splitlines()[0][:70].replace("|", "/")
+        return f"{outcome}: {short}"
+    return outcome
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("paths", nargs="+", type=Path)
+    parser.add_argument("--out", type=Path, help="write every measurement as JSON here")
+    parser.add_argument("--timeout", type=float, default=3600, help="seconds per session")
+    options, extra = parser.parse_known_args(argv)
+    extra = [arg for arg in extra if arg != "--"]
+    results = []
+    for source in options.paths:
+        if not source.is_file():
+            parser.error(f"{source}: no such file")
+        print(f"running {source.name} under torch's harness...", file=sys.stderr, flush=True)
+        torch_run = run_session(source, "torch", extra, options.timeout)
+        print(f"running {source.name} with --dist-adopt...", file=sys.stderr, flush=True)
+        adopted = run_session(source, "adopt", extra, options.timeout)
+        print("\n".join(table(source, torch_run, adopted)) + "\n", flush=True)
+        results.append({"file": source.name, "sessions": [asdict(torch_run), asdict(adopted)]})
+    if options.out:
+        options.out.write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
