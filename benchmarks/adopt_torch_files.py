@@ -10,7 +10,8 @@ own ``pytest`` session, as a user waits for it: first as pytest runs unittest cl
 test method), then with ``--dist-adopt`` (warm rank pools). The table gives each test's
 outcome and time from pytest's JUnit file, the session walls, their ratio, and first the
 tests that pass under torch's harness but not when adopted (the adapter's regressions; the
-list should be empty). Files are only read: nothing is written next to them.
+list should be empty). ``--also-fsdp-on-cpu`` adds a session with ``--dist-adopt-fsdp-on-cpu``.
+Files are only read: nothing is written next to them.
 """
 
 from __future__ import annotations
@@ -28,7 +29,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-MODES = {"torch": [], "adopt": ["--dist-adopt"]}
+MODES = {
+    "torch": [],
+    "adopt": ["--dist-adopt"],
+    "adopt-fsdp-on-cpu": ["--dist-adopt", "--dist-adopt-fsdp-on-cpu"],
+}
 
 
 @dataclass
@@ -79,6 +84,7 @@ def read_junit(path: Path) -> dict[str, tuple[str, float, str]]:
 
 
 def table(source: Path, torch_run: Session, adopted: Session) -> list[str]:
+    """One file's table: ``adopted`` against torch's own harness, test by test."""
     names = sorted(set(torch_run.tests) | set(adopted.tests))
     regressions = [
         name
@@ -90,11 +96,11 @@ def table(source: Path, torch_run: Session, adopted: Session) -> list[str]:
         f"## {source.name}",
         "",
         f"session wall: torch's harness {torch_run.wall_s:.1f} s (exit {torch_run.exit_code}), "
-        f"--dist-adopt {adopted.wall_s:.1f} s (exit {adopted.exit_code}): "
+        f"{' '.join(MODES[adopted.mode])} {adopted.wall_s:.1f} s (exit {adopted.exit_code}): "
         f"{torch_run.wall_s / adopted.wall_s:.1f}x",
         f"passes under torch's harness but not adopted: {', '.join(regressions) or 'none'}",
         "",
-        "| test | torch's harness | s | --dist-adopt | s |",
+        f"| test | torch's harness | s | {' '.join(MODES[adopted.mode])} | s |",
         "|---|---|---:|---|---:|",
     ]
     for name in names:
@@ -120,6 +126,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("paths", nargs="+", type=Path)
     parser.add_argument("--out", type=Path, help="write every measurement as JSON here")
     parser.add_argument("--timeout", type=float, default=3600, help="seconds per session")
+    parser.add_argument(
+        "--also-fsdp-on-cpu",
+        action="store_true",
+        help="a third session with --dist-adopt-fsdp-on-cpu (FSDPTest methods run on CPU ranks "
+        "where their own harness skips them)",
+    )
     options, extra = parser.parse_known_args(argv)
     extra = [arg for arg in extra if arg != "--"]
     results = []
@@ -128,10 +140,14 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"{source}: no such file")
         print(f"running {source.name} under torch's harness...", file=sys.stderr, flush=True)
         torch_run = run_session(source, "torch", extra, options.timeout)
-        print(f"running {source.name} with --dist-adopt...", file=sys.stderr, flush=True)
-        adopted = run_session(source, "adopt", extra, options.timeout)
-        print("\n".join(table(source, torch_run, adopted)) + "\n", flush=True)
-        results.append({"file": source.name, "sessions": [asdict(torch_run), asdict(adopted)]})
+        sessions = [torch_run]
+        modes = ["adopt", "adopt-fsdp-on-cpu"] if options.also_fsdp_on_cpu else ["adopt"]
+        for mode in modes:
+            print(f"running {source.name}: {' '.join(MODES[mode])}...", file=sys.stderr, flush=True)
+            adopted = run_session(source, mode, extra, options.timeout)
+            print("\n".join(table(source, torch_run, adopted)) + "\n", flush=True)
+            sessions.append(adopted)
+        results.append({"file": source.name, "sessions": [asdict(s) for s in sessions]})
     if options.out:
         options.out.write_text(json.dumps(results, indent=1))
     return 0

@@ -157,6 +157,13 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "rank pools, one item per test method at the class's world_size (default: ini "
         "dist_adopt, off)",
     )
+    group.addoption(
+        "--dist-adopt-fsdp-on-cpu",
+        action="store_true",
+        default=False,
+        help="with --dist-adopt: run FSDPTest methods on CPU ranks, which FSDPTest's own "
+        "harness skips when there are fewer accelerators than ranks",
+    )
     parser.addini("dist_deadline", "default per-test deadline in seconds", default="")
     parser.addini(
         "dist_adopt",

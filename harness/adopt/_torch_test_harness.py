@@ -85,6 +85,25 @@ def is_dtensor_test(cls: type) -> bool:
     return common_dtensor is not None and issubclass(cls, common_dtensor.DTensorTestBase)
 
 
+def own_precondition_skip(cls: type, world_size: int) -> str | None:
+    """Why the class's own child would skip before the method runs, or None.
+
+    ``FSDPTest._run`` (``common_fsdp.py`` 1564) exits with the ``multi-gpu-N`` skip when
+    fewer accelerators than ``world_size`` are present, on CPU runs too (its mixin's
+    ``_run`` exempts CPU; this override does not), so torch's harness skips every
+    ``FSDPTest`` method on a CPU-only machine."""
+    if not is_fsdp_test(cls):
+        return None
+    import torch
+
+    if torch.accelerator.device_count() >= world_size:
+        return None
+    common = sys.modules[_COMMON_DISTRIBUTED]
+    skip = common.TEST_SKIPS.get(f"multi-gpu-{world_size}")
+    message = skip.message if skip else f"Need at least {world_size} accelerators"
+    return f"{message} (FSDPTest's own check before the method runs)"
+
+
 def declared_world_size(cls: type, method_name: str) -> int:
     """The class's ``world_size`` as its own harness would read it (on an instance)."""
     require_audited_torch("declared_world_size", _AUDITED_FILE)

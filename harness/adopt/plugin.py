@@ -14,6 +14,11 @@ returning to Python (DDP's reducer in ``replicate``'s backward) never lets the o
 take its turn. Everything a distributed test gets applies: rank-consistent skips, the
 per-rank report, hang stacks, the reproduce command.
 
+The class's own harness decides some skips before any method runs: ``FSDPTest`` skips when
+there are fewer accelerators than ranks, so on a CPU-only machine its methods are skipped
+here too, with that reason (:func:`~harness.adopt._torch_test_harness.own_precondition_skip`);
+``--dist-adopt-fsdp-on-cpu`` runs them on CPU ranks instead.
+
 unittest's own markers become pytest's: ``@unittest.skip`` / ``skipIf`` on the class or the
 method is a skip at collection, ``@unittest.expectedFailure`` a strict xfail; pytest marks on
 the class or the method (``deadline``, ``fresh_pool``, ``slow``...) apply as they would to a
@@ -69,6 +74,8 @@ def pytest_pycollect_makeitem(
 
 
 def pytest_distconform_reproducer_args(config: pytest.Config) -> list[str]:
+    if config.getoption("dist_adopt_fsdp_on_cpu"):
+        return [OPTION, "--dist-adopt-fsdp-on-cpu"]
     return [OPTION]
 
 
@@ -115,6 +122,12 @@ class AdoptedMethod(pytest.Item):
         self.stash[ITEM_WORLD_SIZE_KEY] = world_size
 
     def runtest(self) -> None:
+        if not self.config.getoption("dist_adopt_fsdp_on_cpu"):
+            reason = torch_harness.own_precondition_skip(
+                self.test_class, self.stash[ITEM_WORLD_SIZE_KEY]
+            )
+            if reason is not None:
+                pytest.skip(f"{reason}; --dist-adopt-fsdp-on-cpu runs it anyway")
         broke = self.config.stash[_BROKE_CONTRACT_KEY]
         choice = PoolChoice(fresh=self.test_class in broke)
         with tempfile.TemporaryDirectory(prefix="distconform-adopt-") as directory:

@@ -205,6 +205,7 @@ def adopted(tmp_path_factory) -> tuple[subprocess.CompletedProcess, dict[str, tu
     env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
     command = [
         sys.executable, "-m", "pytest", "test_sample.py", "--dist-adopt", "-rA",
+        "--dist-adopt-fsdp-on-cpu",
         "-p", "no:cacheprovider", "--dist-peer-grace", "0.5", "--junitxml", "junit.xml",
     ]  # fmt: skip
     done = subprocess.run(
@@ -280,7 +281,7 @@ def test_a_failing_method_gets_the_harness_report(adopted):
     assert (
         "-m pytest test_sample.py::TestProcesses::test_fails_on_rank_1 --launcher process" in report
     )
-    assert report.rstrip().endswith("--dist-adopt"), report
+    assert report.rstrip().endswith("--dist-adopt --dist-adopt-fsdp-on-cpu"), report
 
 
 def test_a_rank_left_waiting_gets_the_collective_trace(adopted):
@@ -334,6 +335,23 @@ def test_thread_classes_run_on_rank_threads_of_the_thread_launcher(tmp_path):
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:]
     assert "1 passed" in done.stdout
+
+
+def test_fsdp_classes_skip_as_their_own_harness_does_without_accelerators(tmp_path):
+    (tmp_path / "test_sample.py").write_text(textwrap.dedent(SAMPLE))
+    env = dict(
+        os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
+    )
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "test_sample.py::TestFSDPStyle", "--dist-adopt", "-rs",
+         "-p", "no:cacheprovider"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert "1 skipped" in done.stdout, done.stdout[-3000:]
+    assert (
+        "Need at least 2 CUDA devices (FSDPTest's own check before the method runs); "
+        "--dist-adopt-fsdp-on-cpu runs it anyway" in done.stdout
+    )
 
 
 def test_without_the_option_pytest_runs_them_with_torchs_own_harness(tmp_path):

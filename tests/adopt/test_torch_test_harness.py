@@ -45,6 +45,19 @@ def test_families_of_the_base_classes():
     assert torch_harness.is_dtensor_test(DTensorTestBase)
 
 
+def test_fsdp_tests_skip_before_the_method_without_enough_accelerators():
+    class _Fsdp(FSDPTest):
+        @property
+        def world_size(self):
+            return 2
+
+    if torch.accelerator.device_count() >= 2:
+        pytest.skip("this machine has the accelerators FSDPTest asks for")
+    reason = torch_harness.own_precondition_skip(_Fsdp, 2)
+    assert reason == "Need at least 2 CUDA devices (FSDPTest's own check before the method runs)"
+    assert torch_harness.own_precondition_skip(_Process, 2) is None  # not an FSDPTest
+
+
 def test_world_size_instance_and_skip_exit_codes():
     assert torch_harness.declared_world_size(_Process, "test_x") == 3
     instance = torch_harness.build_instance(_Process, "test_x", rank=1, file_name="/tmp/x")
@@ -61,6 +74,7 @@ def test_world_size_instance_and_skip_exit_codes():
         ("is_fsdp_test", (_Process,)),
         ("is_dtensor_test", (_Process,)),
         ("declared_world_size", (_Process, "test_x")),
+        ("own_precondition_skip", (_Process, 2)),
         ("build_instance", (_Process, "test_x", 0, "/tmp/x")),
         ("seed_like_torch", ()),
         ("skip_reason", (77,)),
