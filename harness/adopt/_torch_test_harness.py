@@ -92,6 +92,7 @@ def own_precondition_skip(cls: type, world_size: int) -> str | None:
     fewer accelerators than ``world_size`` are present, on CPU runs too (its mixin's
     ``_run`` exempts CPU; this override does not), so torch's harness skips every
     ``FSDPTest`` method on a CPU-only machine."""
+    require_audited_torch("own_precondition_skip", _AUDITED_FILE)
     if not is_fsdp_test(cls):
         return None
     import torch
