@@ -8,6 +8,7 @@ file; each test below checks one aspect of that session, so it is paid for once.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -21,6 +22,7 @@ REPO = Path(__file__).resolve().parents[2]
 SAMPLE = """
 import os
 import threading
+import time
 import unittest
 
 import pytest
@@ -106,6 +108,12 @@ class TestProcesses(MultiProcessTestCase):
     def test_rank_0_waits_for_a_rank_that_left(self):
         if self.rank == 0:
             dist.barrier()
+
+    @pytest.mark.deadline(2)
+    def test_rank_0_spins_in_python(self):
+        if self.rank == 0:
+            while True:
+                time.sleep(0.05)
 
     def test_after_the_failures(self):
         dist.barrier()
@@ -240,6 +248,7 @@ def test_every_method_is_one_item_with_its_own_outcome(adopted):
         "TestProcesses::test_fails_on_rank_1": "failure",
         "TestProcesses::test_asks_for_another_world_size": "failure",
         "TestProcesses::test_rank_0_waits_for_a_rank_that_left": "failure",
+        "TestProcesses::test_rank_0_spins_in_python": "failure",
         "TestProcesses::test_after_the_failures": "passed",
         "TestFourRanks::test_world": "passed",
         "TestThreads::test_all_reduce_and_a_subgroup": "passed",
@@ -290,6 +299,15 @@ def test_a_rank_left_waiting_gets_the_collective_trace(adopted):
     assert report.splitlines()[1].startswith("rank 0 failed"), report
     assert "collective trace: rank 1 never arrived at barrier #0 on group world" in report
     assert "rank 0 called barrier - (dist.barrier) at test_sample.py:" in report
+
+
+def test_a_hanging_method_gets_the_stacks_of_the_hung_rank(adopted):
+    done, _ = adopted
+    report = failure_section(done.stdout, "test_rank_0_spins_in_python")
+    assert report.splitlines()[1].startswith("rank 0 hung"), report
+    assert "stacks of rank 0 at the deadline:" in report
+    assert re.search(r'test_sample\.py", line \d+ in test_rank_0_spins_in_python', report), report
+    assert re.search(r"^\s+1\s+passed", report, re.M)
 
 
 def test_an_init_for_another_world_fails_with_both_sizes(adopted):
