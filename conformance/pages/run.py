@@ -198,21 +198,14 @@ def _capabilities_section(run: SavedRun) -> str:
     parts = ['<h2 id="capabilities">Declared capabilities</h2>']
     impl = env.get("implementation") or {}
     if impl.get("name"):
-        declared = ", ".join(impl.get("capabilities") or []) or "none"
-        parts.append(
-            f"<p>Implementation <strong>{esc(impl['name'])}</strong> "
-            f"(<code>{esc(impl.get('spec'))}</code>) declares: {esc(declared)}</p>"
-        )
+        spec = f"<code>{esc(impl.get('spec'))}</code>"
+        parts.append(_declares("Implementation", impl, spec))
         if impl.get("error"):
             parts.append(f'<p class="banner bad">It failed to load: {esc(impl["error"])}</p>')
     backend = env.get("backend_declaration") or {}
     if backend.get("name"):
-        declared = ", ".join(backend.get("capabilities") or []) or "none"
-        parts.append(
-            f"<p>Backend <strong>{esc(backend['name'])}</strong> "
-            f"({esc(backend.get('declaration') or 'no declaration file')}) declares: "
-            f"{esc(declared)}</p>"
-        )
+        source = esc(backend.get("declaration") or "no declaration file")
+        parts.append(_declares("Backend", backend, source))
         reasons = backend.get("not_declared") or {}
         if reasons:
             parts.append(
@@ -239,6 +232,14 @@ def _capabilities_section(run: SavedRun) -> str:
     else:
         parts.append('<p class="muted">No case was UNSUPPORTED.</p>')
     return "\n".join(parts)
+
+
+def _declares(subject: str, record: dict[str, Any], source_html: str) -> str:
+    declared = ", ".join(record.get("capabilities") or []) or "none"
+    return (
+        f"<p>{subject} <strong>{esc(record['name'])}</strong> ({source_html}) declares: "
+        f"{esc(declared)}</p>"
+    )
 
 
 def _expectations_section(run: SavedRun) -> str:
