@@ -22,9 +22,8 @@ here too, with that reason (:func:`~harness.adopt._torch_test_harness.own_precon
 unittest's own markers become pytest's: ``@unittest.skip`` / ``skipIf`` on the class or the
 method is a skip at collection, ``@unittest.expectedFailure`` a strict xfail; pytest marks on
 the class or the method (``deadline``, ``fresh_pool``, ``slow``...) apply as they would to a
-``world_size`` test. A class whose
-test leaves a rank with state the hygiene check flags is named in an
-:class:`AdoptedClassWarning`, and its later tests each get a fresh pool.
+``world_size`` test. A class whose test leaves a rank with state the hygiene check flags is
+named in an :class:`AdoptedClassWarning`, and its later tests each get a fresh pool.
 """
 
 from __future__ import annotations
