@@ -6,7 +6,9 @@ version it was not audited for, with a message that says what to re-audit; a tes
 ``tests/harness/test_torch_private.py`` exercises every accessor and the refusal.
 
 Nothing else in ``harness/`` may import a private torch module or touch an
-underscore attribute of torch. torch's internal testing package is never imported.
+underscore attribute of torch. torch's internal testing package is never imported here:
+only ``harness/adopt/_torch_test_harness.py`` reads it, to run tests written for it
+(``--dist-adopt``), with this module's version check.
 The private modules are imported inside the accessors, after the version check, so that
 another torch version gets the audit's message instead of an ImportError.
 """
