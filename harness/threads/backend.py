@@ -528,7 +528,6 @@ class ThreadedProcessGroup(dist.ProcessGroup):
         return self._meet("barrier", (), None, lambda p: None, [], [], [])
 
 
-_registered = False
 _register_lock = threading.Lock()
 
 
@@ -552,26 +551,17 @@ def _create(backend_opts: Any, backend_options: Any) -> ThreadedProcessGroup:
     )
 
 
-def register_threaded_backend(*, reclaim: bool = False) -> None:
-    """Register ``threaded`` with c10d once per process (idempotent).
+def register_threaded_backend() -> None:
+    """Register ``threaded`` with c10d as harness.threads' backend.
 
-    ``reclaim`` takes the name back from a module that registered its own ``threaded`` in
-    this process: torch's multi-threaded test process group does so when its test package is
-    imported, which an adopted ``MultiThreadedTestCase`` module does on the rank threads
-    (``--dist-adopt``); that group is only ever created by torch's own test runner, which
-    adoption replaces. Without ``reclaim`` such a registration is an error.
+    Called before every world is joined, it also takes the name back from a module that
+    registered its own since: torch's multi-threaded test process group registers
+    ``threaded`` whenever torch's test package is imported, which any test module written
+    for torch's harness does (adopted with ``--dist-adopt`` or not). That group is created
+    only by torch's own ``MultiThreadedTestCase`` runner, whose threads cannot share a
+    process with harness.threads' rank threads anyway.
     """
-    global _registered
     with _register_lock:
-        if _registered and not reclaim:
-            return
-        if not _registered and not reclaim and BACKEND_NAME in dist.Backend.backend_list:
-            raise RuntimeError(
-                "another 'threaded' c10d backend is already registered in this process "
-                "(torch's own multi-threaded test process group?); it cannot coexist "
-                "with harness.threads"
-            )
         dist.Backend.register_backend(
             BACKEND_NAME, _create, extended_api=True, devices=["cpu", "cuda"]
         )
-        _registered = True

@@ -383,7 +383,7 @@ class ThreadRunner:
         if leave_first and dist.is_initialized():
             dist.destroy_process_group()
         _torch_private.bind_thread_to_fresh_c10d_world()
-        register_threaded_backend(reclaim=True)  # an adopted test module may have taken it
+        register_threaded_backend()  # torch's test package, imported since, may have taken it
         dist.init_process_group(
             backend=BACKEND_NAME,
             store=job.store,
