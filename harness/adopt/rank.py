@@ -4,9 +4,10 @@ The rank already holds the harness's default process group, so the class's own c
 ``init_process_group`` and ``destroy_process_group`` are served from it while the method
 runs (:func:`serving_the_default_group`): an init that asks for this world (any backend,
 store or init method) returns at once, a destroy of the default group is left to the pool,
-and every such difference goes back to pytest, which warns once per class. An
-init that asks for another world size or rank fails the test with both numbers: the pool
-would otherwise run the method on a world it was not written for.
+and every such difference goes back to pytest, which warns once per class. An init that
+asks for another world size or rank fails the test with both numbers: the pool would
+otherwise run the method on a world it was not written for. The two functions are replaced
+when this module is imported (in the parent too, where they only ever defer to torch's).
 """
 
 from __future__ import annotations
