@@ -1,9 +1,11 @@
 """The one audited place where the harness touches private pytest names.
 
-pytest rewrites ``assert`` statements only in modules its import hook loads, and only in
-its own process. Ranks run in other processes (or in a host process) and import the test
-modules themselves, so they need the rewriting and the comparison explanations that
-pytest keeps in ``_pytest.assertion``; pytest has no public API for either.
+Two needs have no public API. First, pytest rewrites ``assert`` statements only in
+modules its import hook loads, and only in its own process. Ranks run in other processes
+(or in a host process) and import the test modules themselves, so they need the rewriting
+and the comparison explanations that pytest keeps in ``_pytest.assertion``. Second, a skip
+raised by the harness is reported at the harness's line unless it asks for the test's
+(:func:`skip_at_the_items_location`).
 
 Every accessor checks the installed pytest version. On a version nobody audited, rewriting
 is skipped (the ranks report plain ``AssertionError`` messages, as before) and
@@ -18,7 +20,7 @@ import types
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import pytest
 
@@ -49,6 +51,17 @@ def audit_problem() -> str | None:
         f"rewritten messages. Check that the names it uses still mean the same, then add "
         f"the version to AUDITED_PYTEST."
     )
+
+
+def skip_at_the_items_location(reason: str) -> NoReturn:
+    """``pytest.skip(reason)``, reported at the test's own line rather than at the harness
+    line that raised it: a skip decided on the ranks (or before them, by an adopted class's
+    own harness) belongs to the test. pytest's skip markers do this through
+    ``Skipped(_use_item_location=True)``, which has no public spelling; on a pytest nobody
+    audited it is a plain skip."""
+    if audit_problem() is None:
+        raise pytest.skip.Exception(reason, _use_item_location=True)
+    pytest.skip(reason)
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 
 from harness import summary
+from harness._pytest_private import skip_at_the_items_location
 from harness.config import ConfigError, DistSettings, device_count
 from harness.deadline import deadline_for, outer_limit_for
 from harness.gc_freeze import freeze_heap
@@ -321,7 +322,7 @@ def _group_by_violation(run: RunResult) -> dict[str, list[int]]:
 def _conclude(item: pytest.Item, settings: DistSettings, run: RunResult, where: str) -> None:
     if run.ok:
         if run.all_skipped:
-            pytest.skip(_joined_reasons(run, Outcome.SKIPPED))
+            skip_at_the_items_location(_joined_reasons(run, Outcome.SKIPPED))
         if run.by_outcome(Outcome.XFAILED):
             pytest.xfail(_joined_reasons(run, Outcome.XFAILED))
         return

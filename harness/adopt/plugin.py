@@ -36,6 +36,7 @@ from typing import Any
 
 import pytest
 
+from harness._pytest_private import skip_at_the_items_location
 from harness.adopt import _torch_test_harness as torch_harness
 from harness.adopt.rank import run_adopted_method
 from harness.pytest_run import RUN_KEY, PoolChoice, run_on_ranks
@@ -126,7 +127,7 @@ class AdoptedMethod(pytest.Item):
                 self.test_class, self.stash[ITEM_WORLD_SIZE_KEY]
             )
             if reason is not None:
-                pytest.skip(f"{reason}; --dist-adopt-fsdp-on-cpu runs it anyway")
+                skip_at_the_items_location(f"{reason}; --dist-adopt-fsdp-on-cpu runs it anyway")
         broke = self.config.stash[_BROKE_CONTRACT_KEY]
         choice = PoolChoice(fresh=self.test_class in broke)
         with tempfile.TemporaryDirectory(prefix="distconform-adopt-") as directory:

@@ -86,3 +86,16 @@ def test_an_unaudited_pytest_never_reads_its_cache(tmp_path, monkeypatch):
     assert _pytest_private.cached_rewritten_code(str(source)) is not None
     monkeypatch.setattr(pytest, "__version__", "9.3.0")
     assert _pytest_private.cached_rewritten_code(str(source)) is None
+
+
+@pytest.mark.parametrize(
+    ("version", "at_the_item"), [(pytest.__version__, True), ("99.0.0", False)]
+)
+def test_a_harness_skip_is_reported_at_the_items_line_on_an_audited_pytest(
+    monkeypatch, version, at_the_item
+):
+    monkeypatch.setattr(pytest, "__version__", version)
+    with pytest.raises(pytest.skip.Exception) as excinfo:
+        _pytest_private.skip_at_the_items_location("needs two GPUs")
+    assert excinfo.value.msg == "needs two GPUs"
+    assert excinfo.value._use_item_location is at_the_item
