@@ -536,7 +536,9 @@ def _create(backend_opts: Any, backend_options: Any) -> ThreadedProcessGroup:
     if here is None:
         raise RuntimeError(
             "the 'threaded' backend only works on rank threads started by "
-            "harness.threads.ThreadRunner (no thread world is bound to this thread)"
+            "harness.threads.ThreadRunner (no thread world is bound to this thread); a "
+            "MultiThreadedTestCase of torch's harness runs on them with --dist-adopt "
+            "--launcher thread"
         )
     world, global_rank = here
     ranks = tuple(backend_opts.global_ranks_in_group) or tuple(range(backend_opts.group_size))
@@ -557,9 +559,10 @@ def register_threaded_backend() -> None:
     Called before every world is joined, it also takes the name back from a module that
     registered its own since: torch's multi-threaded test process group registers
     ``threaded`` whenever torch's test package is imported, which any test module written
-    for torch's harness does (adopted with ``--dist-adopt`` or not). That group is created
-    only by torch's own ``MultiThreadedTestCase`` runner, whose threads cannot share a
-    process with harness.threads' rank threads anyway.
+    for torch's harness does (adopted with ``--dist-adopt`` or not). The two cannot serve
+    one process: once a runner started here, torch's own ``MultiThreadedTestCase`` runner in
+    this process gets this backend and fails with :func:`_create`'s message, which says to
+    adopt the class instead.
     """
     with _register_lock:
         dist.Backend.register_backend(
