@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from conformance.saved import SavedRun, SavedRunError, runs_in
+from conformance.saved import SavedRun, SavedRunError, run_from_json
+from conformance.statuses import SCHEMA
 
 _DATE_IN_NAME = re.compile(r"(\d{4}-\d{2}-\d{2})(?:[T_](\d{2})[:-]?(\d{2}))?")
 COLLECTIVE_BYTES = ("all_gather_bytes", "reduce_scatter_bytes", "all_reduce_bytes", "other_bytes")
@@ -56,30 +57,35 @@ class History:
 
 
 def collect(directory: str | Path) -> History:
+    """Every JSON file under ``directory`` read once, and kept if it is a conformance report
+    or a step benchmark."""
     directory = Path(directory)
     if not directory.is_dir():
         raise SavedRunError(f"{directory}: not a directory: give the directory of past reports")
     history = History()
-    for found in runs_in(directory):
-        if isinstance(found, SavedRunError):
-            history.unreadable.append(str(found))
-        else:
-            history.runs.append(found)
-    history.runs.sort(key=lambda run: (run.date, str(run.path)))
     for path in sorted(directory.rglob("*.json")):
-        benchmark = _step_benchmark(path)
-        if benchmark is not None:
-            history.benchmarks.append(benchmark)
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+            continue  # not ours to judge: a directory of artifacts holds other JSON
+        if not isinstance(data, dict):
+            continue
+        if data.get("schema") == SCHEMA:
+            try:
+                history.runs.append(run_from_json(data, path))
+            except SavedRunError as exc:
+                history.unreadable.append(str(exc))
+        else:
+            benchmark = _step_benchmark(data, path)
+            if benchmark is not None:
+                history.benchmarks.append(benchmark)
+    history.runs.sort(key=lambda run: (run.date, str(run.path)))
     history.benchmarks.sort(key=lambda b: (b.date, str(b.path)))
     return history
 
 
-def _step_benchmark(path: Path) -> StepBenchmark | None:
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-        return None
-    rows = data.get("rows") if isinstance(data, dict) else None
+def _step_benchmark(data: dict[str, Any], path: Path) -> StepBenchmark | None:
+    rows = data.get("rows")
     if not isinstance(rows, list) or not rows or not all(_is_step_row(row) for row in rows):
         return None
     return StepBenchmark(path, _date_of(data, path), tuple(_step_case(row) for row in rows))

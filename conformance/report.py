@@ -46,7 +46,9 @@ from conformance.saved import run_from_json
 from conformance.statuses import (
     APPLIED_STATUSES,
     PASS_RATE_DEFINITION,
+    SCHEMA,
     STATUSES,
+    RunState,
     conformance_percent,
     percent_text,
 )
@@ -67,7 +69,6 @@ from suites.cases import (
     Profile,
 )
 
-SCHEMA = "distconform-conformance"
 SCHEMA_VERSION = 5
 _MAX_DETAIL_CHARS = 4000
 
@@ -220,40 +221,6 @@ class Recorder:
     ) -> ConformanceReport:
         return ConformanceReport(
             environment, list(self.results.values()), stale, list(profiles), run or RunState()
-        )
-
-
-@dataclass
-class RunState:
-    """Whether the figures cover the whole run, and if not, why they stop where they do."""
-
-    #: pytest's exit status by name (``OK``, ``TESTS_FAILED``, ``INTERRUPTED``...); None
-    #: while the run is still going (a report written during the run, or left by a killed one).
-    exit_status: str | None = "OK"
-    #: Why the run ended before its last test (``-x``, Ctrl-C, a broken pool, still running).
-    stopped_because: str | None = None
-    #: Tests selected to run (None when unknown).
-    tests_expected: int | None = None
-    #: Tests that started but never finished (interrupted in the middle).
-    tests_cut_short: int = 0
-
-    def complete(self, reported: int) -> bool:
-        return (
-            self.exit_status in ("OK", "TESTS_FAILED", "NO_TESTS_COLLECTED")
-            and self.stopped_because is None
-            and self.tests_cut_short == 0
-            and (self.tests_expected is None or reported >= self.tests_expected)
-        )
-
-    def incomplete_line(self, reported: int) -> str | None:
-        """The headline of a run whose figures do not cover every selected test."""
-        if self.complete(reported):
-            return None
-        why = self.stopped_because or f"pytest exited with {self.exit_status}"
-        of = f" of {self.tests_expected}" if self.tests_expected is not None else ""
-        return (
-            f"INCOMPLETE: {why}; {reported}{of} tests reported, and every figure below covers "
-            f"only those"
         )
 
 

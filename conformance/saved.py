@@ -11,14 +11,12 @@ from __future__ import annotations
 
 import json
 from collections import Counter
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from conformance.statuses import STATUSES, conformance_percent
+from conformance.statuses import SCHEMA, STATUSES, RunState, conformance_percent
 
-SCHEMA = "distconform-conformance"
 READABLE_VERSIONS = (4, 5)
 
 
@@ -81,6 +79,15 @@ class SavedRun:
     @property
     def complete(self) -> bool:
         return bool(self.data.get("complete"))
+
+    def run_state(self) -> RunState:
+        data = self.data
+        return RunState(
+            exit_status=data.get("exit_status"),
+            stopped_because=data.get("stopped_because"),
+            tests_expected=data.get("tests_expected"),
+            tests_cut_short=int(data.get("tests_cut_short") or 0),
+        )
 
     def by_nodeid(self) -> dict[str, SavedTest]:
         return {test.nodeid: test for test in self.tests}
@@ -153,18 +160,3 @@ def _test_from_json(raw: dict[str, Any]) -> SavedTest:
         ranks=tuple((int(r["rank"]), str(r["outcome"])) for r in raw.get("ranks") or ()),
         reproduce=raw.get("reproduce") or "",
     )
-
-
-def runs_in(directory: str | Path) -> Iterator[SavedRun | SavedRunError]:
-    """Every conformance report under ``directory`` (``*.json``, recursively), or the
-    reason a JSON file that claims to be one cannot be read."""
-    for path in sorted(Path(directory).rglob("*.json")):
-        try:
-            data = json.loads(path.read_text())
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-            continue  # not ours to judge: a directory of artifacts holds other JSON
-        if isinstance(data, dict) and data.get("schema") == SCHEMA:
-            try:
-                yield run_from_json(data, path)
-            except SavedRunError as exc:
-                yield exc

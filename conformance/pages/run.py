@@ -53,7 +53,7 @@ def _headline(run: SavedRun) -> str:
     counts = run.counts()
     applied = sum(counts[s] for s in APPLIED_STATUSES)
     parts = []
-    incomplete = _incomplete_text(run)
+    incomplete = run.run_state().incomplete_line(len(run.tests))
     if incomplete:
         parts.append(f'<p class="banner bad" id="completeness">{esc(incomplete)}</p>')
     else:
@@ -107,19 +107,6 @@ def _headline(run: SavedRun) -> str:
             )
         )
     return "\n".join(parts)
-
-
-def _incomplete_text(run: SavedRun) -> str | None:
-    if run.complete:
-        return None
-    data = run.data
-    why = data.get("stopped_because") or f"pytest exited with {data.get('exit_status')}"
-    expected = data.get("tests_expected")
-    of = f" of {expected}" if expected is not None else ""
-    return (
-        f"INCOMPLETE: {why}; {len(run.tests)}{of} tests reported, and every figure on this "
-        f"page covers only those"
-    )
 
 
 # --- matrix ----------------------------------------------------------------------------
