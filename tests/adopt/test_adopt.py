@@ -204,21 +204,29 @@ RAN_IN_THIS_PROCESS = []
 """
 
 
+def run_sample(
+    directory: Path, *args: str, timeout: float = 120, **env: str
+) -> subprocess.CompletedProcess:
+    """``pytest *args`` on ``SAMPLE`` written into ``directory``, as a user runs it."""
+    if not (directory / "test_sample.py").exists():
+        (directory / "test_sample.py").write_text(textwrap.dedent(SAMPLE))
+        (directory / "pytest.ini").write_text("[pytest]\n")
+    environment = dict(os.environ, **env)
+    environment["PYTHONPATH"] = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
+    return subprocess.run(
+        [sys.executable, "-m", "pytest", *args, "-p", "no:cacheprovider"],
+        cwd=directory, env=environment, capture_output=True, text=True, timeout=timeout,
+        check=False,
+    )  # fmt: skip
+
+
 @pytest.fixture(scope="module")
 def adopted(tmp_path_factory) -> tuple[subprocess.CompletedProcess, dict[str, tuple[str, str]]]:
     root = tmp_path_factory.mktemp("adopt")
-    (root / "test_sample.py").write_text(textwrap.dedent(SAMPLE))
-    (root / "pytest.ini").write_text("[pytest]\n")
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
-    command = [
-        sys.executable, "-m", "pytest", "test_sample.py", "--dist-adopt", "-rA",
-        "--dist-adopt-fsdp-on-cpu",
-        "-p", "no:cacheprovider", "--dist-peer-grace", "0.5", "--junitxml", "junit.xml",
-    ]  # fmt: skip
-    done = subprocess.run(
-        command, cwd=root, env=env, capture_output=True, text=True, timeout=300, check=False
-    )
+    done = run_sample(
+        root, "test_sample.py", "--dist-adopt", "-rA", "--dist-adopt-fsdp-on-cpu",
+        "--dist-peer-grace", "0.5", "--junitxml", "junit.xml", timeout=300,
+    )  # fmt: skip
     junit = root / "junit.xml"
     assert junit.exists(), done.stdout + done.stderr
     outcomes = {}
@@ -347,30 +355,16 @@ def test_a_class_that_changes_process_state_gets_fresh_pools_and_a_warning(adopt
 
 
 def test_thread_classes_run_on_rank_threads_of_the_thread_launcher(tmp_path):
-    (tmp_path / "test_sample.py").write_text(textwrap.dedent(SAMPLE))
-    env = dict(
-        os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
-    )
-    env["EXPECT_RANK_THREADS"] = "1"
-    done = subprocess.run(
-        [sys.executable, "-m", "pytest", "test_sample.py::TestThreads", "--dist-adopt",
-         "--launcher", "thread", "-p", "no:cacheprovider"],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120, check=False,
+    done = run_sample(
+        tmp_path, "test_sample.py::TestThreads", "--dist-adopt", "--launcher", "thread",
+        EXPECT_RANK_THREADS="1",
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:]
     assert "1 passed" in done.stdout
 
 
 def test_fsdp_classes_skip_as_their_own_harness_does_without_accelerators(tmp_path):
-    (tmp_path / "test_sample.py").write_text(textwrap.dedent(SAMPLE))
-    env = dict(
-        os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
-    )
-    done = subprocess.run(
-        [sys.executable, "-m", "pytest", "test_sample.py::TestFSDPStyle", "--dist-adopt", "-rs",
-         "-p", "no:cacheprovider"],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120, check=False,
-    )  # fmt: skip
+    done = run_sample(tmp_path, "test_sample.py::TestFSDPStyle", "--dist-adopt", "-rs")
     assert "1 skipped" in done.stdout, done.stdout[-3000:]
     assert (
         "Need at least 2 CUDA devices (FSDPTest's own check before the method runs); "
@@ -379,21 +373,10 @@ def test_fsdp_classes_skip_as_their_own_harness_does_without_accelerators(tmp_pa
 
 
 def test_without_the_option_pytest_runs_them_with_torchs_own_harness(tmp_path):
-    (tmp_path / "test_sample.py").write_text(textwrap.dedent(SAMPLE))
-    env = dict(
-        os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
-    )
-    done = subprocess.run(
-        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider"],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120, check=False,
-    )  # fmt: skip
+    done = run_sample(tmp_path, "--collect-only", "-q")
     assert "test_sample.py::TestProcesses::test_all_reduce" in done.stdout, done.stdout
     assert "AdoptedMethod" not in done.stdout
-    adopted_ids = subprocess.run(
-        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
-         "--dist-adopt"],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120, check=False,
-    )  # fmt: skip
+    adopted_ids = run_sample(tmp_path, "--collect-only", "-q", "--dist-adopt")
     # The same node ids either way: selections and CI configurations keep working.
     assert sorted(_ids(adopted_ids.stdout)) == sorted(_ids(done.stdout))
 
