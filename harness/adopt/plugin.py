@@ -39,6 +39,7 @@ import pytest
 from harness._pytest_private import skip_at_the_items_location
 from harness.adopt import _torch_test_harness as torch_harness
 from harness.adopt.rank import run_adopted_method
+from harness.outcomes import RunResult
 from harness.pytest_run import RUN_KEY, PoolChoice, run_on_ranks
 from harness.session import ITEM_WORLD_SIZE_KEY
 
@@ -143,14 +144,13 @@ class AdoptedMethod(pytest.Item):
                     choice,
                 )
             finally:
-                self._report_differences()
-                self._note_contract(broke)
+                run = self.stash.get(RUN_KEY, None)
+                if run is not None:
+                    self._report_differences(run)
+                    self._note_contract(run, broke)
 
-    def _report_differences(self) -> None:
+    def _report_differences(self, run: RunResult) -> None:
         """How the class ran differently from its own harness, once per session."""
-        run = self.stash.get(RUN_KEY, None)
-        if run is None:
-            return
         warned = self.config.stash[_WARNED_KEY]
         for value in run.values:
             for difference in value or ():
@@ -158,9 +158,8 @@ class AdoptedMethod(pytest.Item):
                     warned.add(difference)
                     self.warn(AdoptedClassWarning(difference))
 
-    def _note_contract(self, broke: dict[type, str]) -> None:
-        run = self.stash.get(RUN_KEY, None)
-        if run is None or not run.hygiene_violations or self.test_class in broke:
+    def _note_contract(self, run: RunResult, broke: dict[type, str]) -> None:
+        if not run.hygiene_violations or self.test_class in broke:
             return
         reason = sorted({v for found in run.hygiene_violations.values() for v in found})[0]
         broke[self.test_class] = reason
