@@ -155,11 +155,14 @@ class ThreadedWork(dist.Work):
     def get_future(self) -> torch.futures.Future:
         """A future completed when the meeting completes.
 
-        When other ranks are still missing, the future is completed later by the rank
-        thread that completes the meeting, so ``then`` callbacks run on that thread.
+        The rank yields first (:meth:`ThreadWorld.yield_until`): c10d's C++ may wait for
+        this future without returning to Python, holding the baton the missing ranks need.
+        If they cannot join yet, the future is completed later by the rank thread that
+        completes the meeting, so ``then`` callbacks run on that thread.
         """
         future: torch.futures.Future = torch.futures.Future()
         meeting = self._meeting
+        self._world.yield_until(self._rank, meeting.settled, meeting.what)
         with self._world.lock:
             if meeting.done:
                 future.set_result(self._result)

@@ -20,6 +20,13 @@ Not isolated: CUDA generators (thread ranks are a CPU tier), numpy imported only
 run started, and other process-wide settings (default dtype, ``torch.set_num_threads``,
 deterministic-algorithm flags): a rank that changes them changes them for all.
 
+One wait is not a blocking point the baton sees: torch's C++ waiting on a future without
+returning to Python (DDP's reducer waits for its buckets' all-reduce futures at the end of
+backward). A rank that takes a future of an unfinished collective therefore *yields*
+(:meth:`ThreadWorld.yield_until`): the others run until the collective completes, or until
+none of them can run, when the yielding rank resumes with the future still pending, as it
+would on any backend. The interleaving stays a function of the program alone.
+
 Because only the baton holder runs and every blocking point is known, a global deadlock is
 detected immediately: when no rank holds or waits for the baton and every unfinished rank
 waits for something that is not ready, nothing can ever change, so the run is aborted with
@@ -266,6 +273,8 @@ class ThreadWorld:
         self.owner: int | None = None
         self.state = [STARTING] * self.world_size
         self._waiting_for: list[Callable[[], bool] | None] = [None] * self.world_size
+        #: Blocked ranks that may also resume when no other rank can run (they yield).
+        self._yielding = [False] * self.world_size
         self._blocked_on: list[str | None] = [None] * self.world_size
         #: When each blocked rank's wait times out (None: it never does).
         self._deadline: list[float | None] = [None] * self.world_size
@@ -317,12 +326,22 @@ class ThreadWorld:
                     self.state[rank] = RUNNABLE
                     self._queue.append(rank)
         if not self._queue:
+            self._resume_a_yielding_rank()
+        if not self._queue:
             self._detect_deadlock()
         if self._queue:
             self.owner = self._queue.popleft()
             self._wake[self.owner].notify()
         elif all(s == DONE for s in self.state):
             self.main_cond.notify_all()
+
+    def _resume_a_yielding_rank(self) -> None:
+        # Nothing else can run: the lowest yielding rank goes on without what it waited for.
+        for rank, state in enumerate(self.state):
+            if state == BLOCKED and self._yielding[rank]:
+                self.state[rank] = RUNNABLE
+                self._queue.append(rank)
+                return
 
     def _detect_deadlock(self) -> None:
         # Called with no runnable rank and nobody holding the baton: if no rank is still
@@ -445,6 +464,33 @@ class ThreadWorld:
             if timed_out:
                 raise TimeoutError(f"{what} did not complete within {timeout} s")
             raise self._aborted(what)
+
+    def yield_until(self, rank: int, ready: Callable[[], bool], what: str) -> bool:
+        """Let the other ranks run until ``ready()`` or until none of them can run; True if
+        ``ready()``. Only the running rank's own thread yields (from any other thread this
+        returns at once); raises if the run aborts meanwhile."""
+        here = current_rank()
+        with self.lock:
+            if here != (self, rank) or self.owner != rank or ready():
+                return ready()
+            if self.abort_error is not None:
+                raise self._aborted(what)
+            self._waiting_for[rank] = ready
+            self._blocked_on[rank] = what
+            self._yielding[rank] = True
+            try:
+                self._release(rank, BLOCKED)
+                self._wait_for_baton(rank)
+            finally:
+                self._waiting_for[rank] = None
+                self._blocked_on[rank] = None
+                self._yielding[rank] = False
+            self._start_running(rank)
+            if ready():
+                return True
+            if self.abort_error is not None:
+                raise self._aborted(what)
+            return False
 
     # --- meetings --------------------------------------------------------------------------
 

@@ -330,6 +330,42 @@ def test_async_work(runners, ws):
     runners.run(ws, _async_work, [])
 
 
+def _future_waited_for_in_cpp() -> None:
+    r, ws = _rank()
+    t = torch.full((2,), float(r + 1))
+    future = dist.all_reduce(t, async_op=True).get_future()
+    # Waits in C++ without coming back to Python, as DDP's reducer waits for its buckets: the
+    # other ranks must have run before, while this rank still held the baton.
+    torch.futures.wait_all([future])
+    _eq(t, torch.full((2,), ws * (ws + 1) / 2))
+
+
+def test_a_future_waited_for_in_cpp_completes(runners, ws):
+    runners.run(ws, _future_waited_for_in_cpp)
+
+
+def _future_of_a_collective_the_others_join_later() -> None:
+    r, ws = _rank()
+    t = torch.full((2,), float(r + 1))
+    token = torch.zeros(1)
+    if r == 0:
+        work = dist.all_reduce(t, async_op=True)
+        future = work.get_future()  # the others wait for the token: this rank goes on
+        assert not future.done()
+        for peer in range(1, ws):
+            dist.send(token, peer)
+        work.wait()
+        assert future.done()
+    else:
+        dist.recv(token, 0)
+        dist.all_reduce(t)
+    _eq(t, torch.full((2,), ws * (ws + 1) / 2))
+
+
+def test_a_future_taken_before_the_others_can_join_leaves_this_rank_running(runners, ws):
+    runners.run(ws, _future_of_a_collective_the_others_join_later)
+
+
 def _object_collectives() -> None:
     r, ws = _rank()
     gathered = [None] * ws
