@@ -13,7 +13,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import pytest
@@ -245,8 +245,14 @@ def run_on_ranks(
     """Run ``fn(*args, **kwargs)`` on the item's ranks and turn the result into pytest's
     verdict: return when every rank passed, raise skip, xfail or a DistributedFailure."""
     settings = settings_of(item.config)
-    launcher = choice.launcher or settings.launcher
-    backend = choice.backend or settings.backend
+    if choice.launcher or choice.backend:
+        # The item's own launcher and backend: its report and reproduce command name them.
+        settings = replace(
+            settings,
+            launcher=choice.launcher or settings.launcher,
+            backend=choice.backend or settings.backend,
+        )
+    launcher, backend = settings.launcher, settings.backend
     world_size = world_size_of(item)
     deadline = deadline_for(item, settings.deadline)
     world = external_world(item.config)

@@ -6,13 +6,11 @@ family (:func:`~harness.adopt._torch_test_harness.family_of`) is collected by th
 instead of pytest's unittest plugin: one :class:`AdoptedMethod` item per test method, with
 the node id pytest gives it anyway (``path::Class::test_method``), at the class's own
 ``world_size``. Running one sends :func:`harness.adopt.rank.run_adopted_method` to a warm
-pool of that size on the session's launcher, for both families: ``--launcher thread`` runs a
-``MultiThreadedTestCase`` on rank threads and the ``threaded`` backend, as its own harness
-would. The default process launcher runs it in rank processes: the thread launcher's ranks
-take turns (harness/threads/world.py), and a collective that torch waits for in C++ without
-returning to Python (DDP's reducer in ``replicate``'s backward) never lets the other rank
-take its turn. Everything a distributed test gets applies: rank-consistent skips, the
-per-rank report, hang stacks, the reproduce command.
+pool of that size: the session's launcher for the process family, rank threads on the
+``threaded`` backend for a ``MultiThreadedTestCase`` on the CPU, as its own harness would run
+it (its tests may share Python objects between ranks). On an accelerator, where rank threads
+do not go, and under torchrun, it takes the session's ranks. Everything a distributed test
+gets applies: rank-consistent skips, the per-rank report, hang stacks, the reproduce command.
 
 The class's own harness decides some skips before any method runs: ``FSDPTest`` skips when
 there are fewer accelerators than ranks, so on a CPU-only machine its methods are skipped
@@ -39,9 +37,10 @@ import pytest
 from harness._pytest_private import skip_at_the_items_location
 from harness.adopt import _torch_test_harness as torch_harness
 from harness.adopt.rank import run_adopted_method
+from harness.config import THREADED_BACKEND
 from harness.outcomes import RunResult
 from harness.pytest_run import RUN_KEY, PoolChoice, run_on_ranks
-from harness.session import ITEM_WORLD_SIZE_KEY
+from harness.session import ITEM_WORLD_SIZE_KEY, settings_of
 
 PLUGIN_NAME = "distconform-adopt"
 OPTION = "--dist-adopt"
@@ -130,7 +129,11 @@ class AdoptedMethod(pytest.Item):
             if reason is not None:
                 skip_at_the_items_location(f"{reason}; --dist-adopt-fsdp-on-cpu runs it anyway")
         broke = self.config.stash[_BROKE_CONTRACT_KEY]
-        choice = PoolChoice(fresh=self.test_class in broke)
+        fresh = self.test_class in broke
+        if self._on_rank_threads():
+            choice = PoolChoice(launcher="thread", backend=THREADED_BACKEND, fresh=fresh)
+        else:
+            choice = PoolChoice(fresh=fresh)
         with tempfile.TemporaryDirectory(prefix="distconform-adopt-") as directory:
             # The store file the class expects in self.file_name: shared by its ranks.
             store_file = Path(directory, "store")
@@ -148,6 +151,12 @@ class AdoptedMethod(pytest.Item):
                 if run is not None:
                     self._report_differences(run)
                     self._note_contract(run, broke)
+
+    def _on_rank_threads(self) -> bool:
+        if torch_harness.family_of(self.test_class) != torch_harness.THREAD_FAMILY:
+            return False
+        settings = settings_of(self.config)
+        return settings.device_type == "cpu" and settings.launcher != "external"
 
     def _report_differences(self, run: RunResult) -> None:
         """How the class ran differently from its own harness, once per session."""
