@@ -83,47 +83,51 @@ def read_junit(path: Path) -> dict[str, tuple[str, float, str]]:
     return tests
 
 
-def table(source: Path, torch_run: Session, adopted: Session) -> list[str]:
-    """One file's table: ``adopted`` against torch's own harness, test by test."""
-    names = sorted(set(torch_run.tests) | set(adopted.tests))
-    regressions = [
-        name
-        for name in names
-        if torch_run.tests.get(name, ("",))[0] == "passed"
-        and adopted.tests.get(name, ("",))[0] != "passed"
-    ]
-    lines = [
-        f"## {source.name}",
+def table(file_name: str, sessions: list[Session]) -> list[str]:
+    """One file's table: each adopted session against torch's own harness, test by test."""
+    torch_run, adopted_runs = sessions[0], sessions[1:]
+    names = sorted({name for session in sessions for name in session.tests})
+    lines = [f"## {file_name}", ""]
+    for adopted in adopted_runs:
+        regressions = [
+            name
+            for name in names
+            if torch_run.tests.get(name, ("",))[0] == "passed"
+            and adopted.tests.get(name, ("",))[0] != "passed"
+        ]
+        lines += [
+            f"- `{' '.join(MODES[adopted.mode])}`: session wall {adopted.wall_s:.1f} s "
+            f"(exit {adopted.exit_code}) against torch's harness {torch_run.wall_s:.1f} s "
+            f"(exit {torch_run.exit_code}): {torch_run.wall_s / adopted.wall_s:.1f}x; passes "
+            f"under torch's harness but not adopted: {', '.join(regressions) or 'none'}",
+        ]
+    headers = ["torch's harness", *(f"`{' '.join(MODES[a.mode])}`" for a in adopted_runs)]
+    lines += [
         "",
-        f"session wall: torch's harness {torch_run.wall_s:.1f} s (exit {torch_run.exit_code}), "
-        f"{' '.join(MODES[adopted.mode])} {adopted.wall_s:.1f} s (exit {adopted.exit_code}): "
-        f"{torch_run.wall_s / adopted.wall_s:.1f}x",
-        f"passes under torch's harness but not adopted: {', '.join(regressions) or 'none'}",
-        "",
-        f"| test | torch's harness | s | {' '.join(MODES[adopted.mode])} | s |",
-        "|---|---|---:|---|---:|",
+        "| test | " + " | ".join(f"{header} | s" for header in headers) + " |",
+        "|---|" + "---|---:|" * len(headers),
     ]
     for name in names:
-        before = torch_run.tests.get(name, ("not run", 0.0, ""))
-        after = adopted.tests.get(name, ("not run", 0.0, ""))
-        lines.append(
-            f"| `{name}` | {_outcome(before)} | {before[1]:.2f} | {_outcome(after)} | "
-            f"{after[1]:.2f} |"
-        )
+        cells = []
+        for session in sessions:
+            result = session.tests.get(name, ("not run", 0.0, ""))
+            cells.append(f"{_outcome(result)} | {result[1]:.2f}")
+        lines.append(f"| `{name}` | " + " | ".join(cells) + " |")
     return lines
 
 
 def _outcome(result: tuple[str, float, str]) -> str:
     outcome, _, message = result
     if outcome in ("skipped", "failed") and message:
-        short = message.splitlines()[0][:70].replace("|", "/")
+        # The reason without what each harness adds to it (an exit code, where it was decided).
+        short = message.splitlines()[0].split("; ")[0].split(" (")[0][:70].replace("|", "/")
         return f"{outcome}: {short}"
     return outcome
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("paths", nargs="+", type=Path)
+    parser.add_argument("paths", nargs="*", type=Path)
     parser.add_argument("--out", type=Path, help="write every measurement as JSON here")
     parser.add_argument("--timeout", type=float, default=3600, help="seconds per session")
     parser.add_argument(
@@ -132,7 +136,18 @@ def main(argv: list[str] | None = None) -> int:
         help="a third session with --dist-adopt-fsdp-on-cpu (FSDPTest methods run on CPU ranks "
         "where their own harness skips them)",
     )
+    parser.add_argument(
+        "--from-json",
+        type=Path,
+        metavar="RESULTS",
+        help="print the tables of a saved run (--out) instead of running PATHs",
+    )
     options, extra = parser.parse_known_args(argv)
+    if options.from_json:
+        print_saved(options.from_json)
+        return 0
+    if not options.paths:
+        parser.error("name the test files to run (or --from-json RESULTS)")
     extra = [arg for arg in extra if arg != "--"]
     results = []
     for source in options.paths:
@@ -144,13 +159,24 @@ def main(argv: list[str] | None = None) -> int:
         modes = ["adopt", "adopt-fsdp-on-cpu"] if options.also_fsdp_on_cpu else ["adopt"]
         for mode in modes:
             print(f"running {source.name}: {' '.join(MODES[mode])}...", file=sys.stderr, flush=True)
-            adopted = run_session(source, mode, extra, options.timeout)
-            print("\n".join(table(source, torch_run, adopted)) + "\n", flush=True)
-            sessions.append(adopted)
+            sessions.append(run_session(source, mode, extra, options.timeout))
+        print("\n".join(table(source.name, sessions)) + "\n", flush=True)
         results.append({"file": source.name, "sessions": [asdict(s) for s in sessions]})
     if options.out:
         options.out.write_text(json.dumps(results, indent=1))
     return 0
+
+
+def print_saved(path: Path) -> None:
+    """The tables of a saved run (``--out``), as they were printed when it was measured."""
+    for result in json.loads(path.read_text()):
+        sessions = [
+            Session(
+                s["mode"], s["wall_s"], s["exit_code"], {k: tuple(v) for k, v in s["tests"].items()}
+            )
+            for s in result["sessions"]
+        ]
+        print("\n".join(table(result["file"], sessions)) + "\n")
 
 
 if __name__ == "__main__":
