@@ -12,6 +12,7 @@ when this module is imported (in the parent too, where they only ever defer to t
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -40,6 +41,7 @@ def run_adopted_method(test_class: type, method_name: str, file_name: str) -> li
             f"{world_size} ranks: the property must give the same value in pytest and in "
             f"the ranks"
         )
+    instance.subTest = functools.partial(_naming_the_subtest, instance.subTest)
     if torch_harness.is_dtensor_test(test_class):
         # with_comms creates and destroys the group around each method: the pool's serves.
         instance.init_pg = lambda *args, **kwargs: None
@@ -54,6 +56,20 @@ def run_adopted_method(test_class: type, method_name: str, file_name: str) -> li
         else:
             body()
     return differences
+
+
+@contextmanager
+def _naming_the_subtest(subtest: Callable[..., Any], *args: Any, **params: Any) -> Iterator[None]:
+    """``self.subTest`` (and FSDPTest's ``run_subtests``, which uses it) outside a unittest
+    result: the first failure ends the method, as in torch's own children, and the report
+    names the subtest it failed in."""
+    try:
+        with subtest(*args, **params):
+            yield
+    except Exception as error:
+        described = [repr(arg) for arg in args] + [f"{k}={v!r}" for k, v in params.items()]
+        error.add_note(f"in subTest({', '.join(described)})")
+        raise
 
 
 def _run_body(test_class: type, instance: Any, method_name: str) -> None:

@@ -158,7 +158,9 @@ class TestThreads(MultiThreadedTestCase):
             self.assertEqual(value, torch.full((2,), 8.0))
 
     def test_fails_on_rank_2(self):
-        self.assertNotEqual(self.rank, 2, "rank 2 disagrees")
+        for step in range(3):
+            with self.subTest("steps", step=step):
+                self.assertFalse(self.rank == 2 and step == 1, "rank 2 disagrees")
 
     def test_ddp_backward(self):
         # DDP's reducer waits for its buckets' all-reduces in C++, never back in Python.
@@ -335,6 +337,7 @@ def test_a_failing_thread_class_method_gets_the_report_of_its_rank_threads(adopt
     lines = report.splitlines()
     assert lines[1].startswith("rank 2 failed: AssertionError:"), report
     assert "ws 4, thread/threaded/cpu" in lines[1]
+    assert "in subTest('steps', step=1)" in report
     assert (
         "-m pytest test_sample.py::TestThreads::test_fails_on_rank_2 --launcher thread "
         "--backend threaded --device cpu" in report
