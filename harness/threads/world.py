@@ -442,26 +442,11 @@ class ThreadWorld:
                 return
             if self.abort_error is not None:
                 raise self._aborted(what)
-            self._waiting_for[rank] = ready
-            self._blocked_on[rank] = what
-            timed_out = False
-            try:
-                end = None if timeout is None else time.monotonic() + timeout
-                self._deadline[rank] = end
-                self._release(rank, BLOCKED)
-                if not self._wait_for_baton(rank, end):
-                    if self.state[rank] == BLOCKED:  # not already queued by a hand-off
-                        timed_out = True
-                        self._queue_rank(rank)
-                    self._wait_for_baton(rank)
-            finally:
-                self._waiting_for[rank] = None
-                self._blocked_on[rank] = None
-                self._deadline[rank] = None
-            self._start_running(rank)
+            end = None if timeout is None else time.monotonic() + timeout
+            in_time = self._block(rank, ready, what, end=end)
             if ready():
                 return
-            if timed_out:
+            if not in_time:
                 raise TimeoutError(f"{what} did not complete within {timeout} s")
             raise self._aborted(what)
 
@@ -475,22 +460,42 @@ class ThreadWorld:
                 return ready()
             if self.abort_error is not None:
                 raise self._aborted(what)
-            self._waiting_for[rank] = ready
-            self._blocked_on[rank] = what
-            self._yielding[rank] = True
-            try:
-                self._release(rank, BLOCKED)
-                self._wait_for_baton(rank)
-            finally:
-                self._waiting_for[rank] = None
-                self._blocked_on[rank] = None
-                self._yielding[rank] = False
-            self._start_running(rank)
+            self._block(rank, ready, what, yielding=True)
             if ready():
                 return True
             if self.abort_error is not None:
                 raise self._aborted(what)
             return False
+
+    def _block(
+        self,
+        rank: int,
+        ready: Callable[[], bool],
+        what: str,
+        end: float | None = None,
+        yielding: bool = False,
+    ) -> bool:
+        """Give the baton up until a hand-over gives it back; False if ``end`` came first (the
+        rank then queues for the baton like any runnable rank)."""
+        self._waiting_for[rank] = ready
+        self._blocked_on[rank] = what
+        self._deadline[rank] = end
+        self._yielding[rank] = yielding
+        in_time = True
+        try:
+            self._release(rank, BLOCKED)
+            if not self._wait_for_baton(rank, end):
+                if self.state[rank] == BLOCKED:  # not already queued by a hand-off
+                    in_time = False
+                    self._queue_rank(rank)
+                self._wait_for_baton(rank)
+        finally:
+            self._waiting_for[rank] = None
+            self._blocked_on[rank] = None
+            self._deadline[rank] = None
+            self._yielding[rank] = False
+        self._start_running(rank)
+        return in_time
 
     # --- meetings --------------------------------------------------------------------------
 
