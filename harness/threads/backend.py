@@ -540,8 +540,7 @@ def _create(backend_opts: Any, backend_options: Any) -> ThreadedProcessGroup:
         raise RuntimeError(
             "the 'threaded' backend only works on rank threads started by "
             "harness.threads.ThreadRunner (no thread world is bound to this thread); a "
-            "MultiThreadedTestCase of torch's harness runs on them with --dist-adopt "
-            "--launcher thread"
+            "MultiThreadedTestCase of torch's harness runs on them with --dist-adopt"
         )
     world, global_rank = here
     ranks = tuple(backend_opts.global_ranks_in_group) or tuple(range(backend_opts.group_size))
