@@ -252,7 +252,6 @@ def run_on_ranks(
             launcher=choice.launcher or settings.launcher,
             backend=choice.backend or settings.backend,
         )
-    launcher, backend = settings.launcher, settings.backend
     world_size = world_size_of(item)
     deadline = deadline_for(item, settings.deadline)
     world = external_world(item.config)
@@ -266,7 +265,9 @@ def run_on_ranks(
             deadline=deadline,
             memory_limit=memory_limit_for(item),
             # Rank threads share one warnings state: the thread launcher captures nothing.
-            warning_filters=filters_from_config(item.config) if launcher != "thread" else (),
+            warning_filters=filters_from_config(item.config)
+            if settings.launcher != "thread"
+            else (),
             device_audit=device_audit_for(item),
             # Under torchrun every rank is a pytest process that rewrote its own modules.
             assertions=None if world is not None else assertion_settings_of(item.config),
@@ -282,9 +283,9 @@ def run_on_ranks(
             choice.fresh or settings.fresh_pool or item.get_closest_marker("fresh_pool") is not None
         )
         key = pool_key(
-            launcher=launcher,
+            launcher=settings.launcher,
             world_size=world_size,
-            backend=backend,
+            backend=settings.backend,
             device_type=settings.device_type,
             threads_per_rank=settings.threads_for(world_size),
             rendezvous=settings.rendezvous,
@@ -310,7 +311,7 @@ def run_on_ranks(
     item.user_properties.append(
         (RANK_OUTCOMES_PROPERTY, " ".join(f"{r.rank}:{r.outcome.value}" for r in run.results))
     )
-    _conclude(item, settings, run, f"{launcher}/{backend}/{settings.device_type}")
+    _conclude(item, settings, run)
     return run
 
 
@@ -325,14 +326,17 @@ def _group_by_violation(run: RunResult) -> dict[str, list[int]]:
     return grouped
 
 
-def _conclude(item: pytest.Item, settings: DistSettings, run: RunResult, where: str) -> None:
+def _conclude(item: pytest.Item, settings: DistSettings, run: RunResult) -> None:
     if run.ok:
         if run.all_skipped:
             skip_at_the_items_location(_joined_reasons(run, Outcome.SKIPPED))
         if run.by_outcome(Outcome.XFAILED):
             pytest.xfail(_joined_reasons(run, Outcome.XFAILED))
         return
-    context = f"ws {run.world_size}, {where}, seed {run.seed}"
+    context = (
+        f"ws {run.world_size}, {settings.launcher}/{settings.backend}/{settings.device_type}, "
+        f"seed {run.seed}"
+    )
     command = reproducer(item, settings)
     item.user_properties.append((REPRODUCE_PROPERTY, command))
     raise DistributedFailure(run, context=context, reproducer=command)
