@@ -7,7 +7,7 @@ failure, ranks and reproduce command (the same row as on the run's own page).
 
 from __future__ import annotations
 
-from conformance.compare import NEW_FAIL, Comparison
+from conformance.compare import Comparison
 from conformance.pages.html import badge, esc, page, table
 from conformance.pages.run import case_row
 from conformance.statuses import percent_text
@@ -65,7 +65,7 @@ def _comparison_section(index: int, comparison: Comparison) -> str:
         return "\n".join(parts)
     rows = []
     for change in comparison.changes:
-        status = "FAIL" if change.kind == NEW_FAIL else change.after_status
+        status = change.after_status
         rows.append(
             f'<tr class="change" data-kind="{esc(change.kind)}" data-nodeid="{esc(change.nodeid)}">'
             f"<td>{badge(status if status != '-' else 'none', change.kind)}</td>"
@@ -86,7 +86,7 @@ def _comparison_section(index: int, comparison: Comparison) -> str:
     shown = [c for c in comparison.changes if c.after is not None and c.after.status != "PASS"]
     if shown:
         parts.append("<h3>This run's side of each change</h3>")
-        parts.extend(case_row(change.after, other) for change in shown if change.after)
+        parts.extend(case_row(change.after, other) for change in shown)
     return "\n".join(parts)
 
 

@@ -13,7 +13,7 @@ import math
 from collections import Counter
 
 from conformance.history import History, StepBenchmark
-from conformance.pages.html import badge, esc, page, table
+from conformance.pages.html import badge, esc, page, slug, table
 from conformance.pages.svg import Series, line_chart
 from conformance.saved import SavedRun
 from conformance.statuses import conformance_percent, percent_text, worst_status
@@ -59,10 +59,10 @@ def _implementation_section(implementation: str, runs: list[SavedRun]) -> str:
         y_range=(max(0.0, math.floor(lowest) - 5.0), 100.0),
         y_format="{:.1f}",
     )
-    features = sorted({feature for run in runs for feature in run.features()})
+    per_run = [run.features() for run in runs]
+    features = sorted({feature for counts in per_run for feature in counts})
     head = ["feature", *(esc(d) for d in dates)]
     rows = []
-    per_run = [run.features() for run in runs]
     for feature in features:
         cells = [f"<strong>{esc(feature)}</strong>"]
         for counts in per_run:
@@ -71,7 +71,7 @@ def _implementation_section(implementation: str, runs: list[SavedRun]) -> str:
     totals = ["<strong>all</strong>"] + [_rate_cell(run.counts()) for run in runs]
     return "\n".join(
         [
-            f'<h2 id="impl-{esc(implementation)}">{esc(implementation)}</h2>',
+            f'<h2 id="impl-{slug(implementation)}">{esc(implementation)}</h2>',
             chart,
             "<h3>Pass rate per feature</h3>",
             table(head, [*rows, totals], cls="history"),

@@ -46,7 +46,6 @@ td.num, th.num { text-align: right; font-variant-numeric: tabular-nums; }
 .s-UNSUPPORTED { background: #dde6ef; color: #2f4052; }
 .s-SKIP { background: #eaeef2; color: #59636e; }
 .s-none { background: #ffffff; color: #8c959f; }
-.s-new-FAIL { background: #ffcecb; color: #82071e; }
 table.matrix td.cell { text-align: center; min-width: 4.5em; font-variant-numeric: tabular-nums; }
 table.matrix td.cell a { color: inherit; text-decoration: none; display: block; }
 details.case { border: 1px solid var(--line); border-radius: 6px; margin: 3px 0; }
