@@ -148,11 +148,14 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if not options.paths:
         parser.error("name the test files to run (or --from-json RESULTS)")
+    # Before any session: a mistyped second path would otherwise end the run (and lose its
+    # --out) only after the first file's sessions.
+    missing = [str(path) for path in options.paths if not path.is_file()]
+    if missing:
+        parser.error(f"no such file: {', '.join(missing)}")
     extra = [arg for arg in extra if arg != "--"]
     results = []
     for source in options.paths:
-        if not source.is_file():
-            parser.error(f"{source}: no such file")
         print(f"running {source.name} under torch's harness...", file=sys.stderr, flush=True)
         torch_run = run_session(source, "torch", extra, options.timeout)
         sessions = [torch_run]
