@@ -20,7 +20,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from harness import backend_plugins
+from harness import backend_plugins, entry_points
 
 DEFAULT_OUT = "conformance-report"
 SUITES = ("fsdp", "backend")
@@ -76,6 +76,7 @@ def pytest_args(argv: list[str]) -> list[str]:
     args = [
         "-W",
         "ignore:Module already imported so cannot be rewritten:pytest.PytestAssertRewriteWarning",
+        *entry_points.pytest_plugin_args(),  # a plain copy of the tree registers no plugin
     ]
     for name in (
         "impl",

@@ -2,19 +2,15 @@
 
 Commands are found through the ``distconform.commands`` entry points (``conformance`` is
 the conformance package's ``conformance.cli:main``), so the harness imports none of the
-packages built on it.
+packages built on it. In a plain copy of the tree (``PYTHONPATH`` only, nothing installed)
+the same entry points are read from its ``pyproject.toml`` (:mod:`harness.entry_points`).
 """
 
 from __future__ import annotations
 
 import sys
-from importlib.metadata import entry_points
 
-GROUP = "distconform.commands"
-
-
-def _commands() -> dict[str, object]:
-    return {entry.name: entry for entry in entry_points(group=GROUP)}
+from harness.entry_points import commands as _commands
 
 
 def _usage(commands: dict[str, object]) -> str:

@@ -380,7 +380,9 @@ def _patches() -> list[tuple[Any, str, Any]]:
         # The class's own attribute (pybind's method descriptor) is what gets restored;
         # the callable it gives is what the wrapper calls.
         original = getattr(dist.ProcessGroup, method)
-        wrapper = _cached(("pg", method, original), _point_to_point, method, original)
+        # By identity: before torch 2.13 pybind gives an unhashable ``instancemethod``; the
+        # wrapper keeps the original alive, so its id is not reused while cached.
+        wrapper = _cached(("pg", method, id(original)), _point_to_point, method, original)
         patches.append((dist.ProcessGroup, method, wrapper))
     for namespace, name, packet in _torch_private.functional_collective_packets(
         FUNCTIONAL_NAMESPACES, tuple(FUNCTIONAL_OPS)

@@ -38,8 +38,9 @@ BARRIER = "barrier"
 POINT_TO_POINT = frozenset({SEND, RECV})
 
 # torch.distributed collectives: name -> (kind, parameters holding the inputs, parameters
-# holding the outputs, the peer parameter of point-to-point calls).
-DIST_FUNCTIONS: dict[str, tuple[str, tuple[str, ...], tuple[str, ...], str | None]] = {
+# holding the outputs, the peer parameter of point-to-point calls). ``all_gather_single`` and
+# ``reduce_scatter_single`` are 2.13's names; an older torch has only the ``*_tensor`` forms.
+_KNOWN_DIST_FUNCTIONS: dict[str, tuple[str, tuple[str, ...], tuple[str, ...], str | None]] = {
     "all_gather_into_tensor": (ALL_GATHER, ("input_tensor",), ("output_tensor",), None),
     "reduce_scatter_tensor": (REDUCE_SCATTER, ("input",), ("output",), None),
     "all_reduce": (ALL_REDUCE, ("tensor",), ("tensor",), None),
@@ -60,6 +61,8 @@ DIST_FUNCTIONS: dict[str, tuple[str, tuple[str, ...], tuple[str, ...], str | Non
     "recv": (RECV, (), ("tensor",), "src"),
     "irecv": (RECV, (), ("tensor",), "src"),
 }
+#: The ones the installed torch has.
+DIST_FUNCTIONS = {name: v for name, v in _KNOWN_DIST_FUNCTIONS.items() if hasattr(dist, name)}
 BARRIER_FUNCTIONS = ("barrier", "monitored_barrier")
 # Wrapped (patched) while an interceptor is active: every collective above but isend and
 # irecv, whose identity ``P2POp`` and ``batch_isend_irecv`` check (a torch function mode

@@ -12,18 +12,20 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from harness import torch_api
+
 
 def all_gather_flat(
     output: torch.Tensor, flat_shard: torch.Tensor, group: dist.ProcessGroup, async_op: bool
 ) -> dist.Work | None:
     """Rank-major concatenation of every rank's flat shard into ``output``."""
-    return dist.all_gather_single(output, flat_shard, group=group, async_op=async_op)
+    return torch_api.all_gather_single(output, flat_shard, group=group, async_op=async_op)
 
 
 def reduce_scatter_sum(rank_major: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """Sum over ranks of ``rank_major`` (shape ``(world, n)``), returning this rank's row."""
     output = rank_major.new_empty(rank_major.shape[1])
-    dist.reduce_scatter_single(output, rank_major.view(-1), op=dist.ReduceOp.SUM, group=group)
+    torch_api.reduce_scatter_single(output, rank_major.view(-1), op=dist.ReduceOp.SUM, group=group)
     return output
 
 

@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from harness import torch_api
 from suites.backend.collectives import dtype_grid, everyones
 from suites.backend.contributions import SIZES, contribution, pair_salt
 from suites.backend.oracle import Findings, unlike
@@ -29,7 +30,7 @@ def test_all_gather(dtype: str, rank_ctx) -> None:
         dist.all_gather(outputs, inputs[rank].clone())
         findings.expect_each_from_its_rank(outputs, inputs, f"list form, {where}")
         output = unlike(torch.cat(inputs))
-        dist.all_gather_single(output, inputs[rank].clone())
+        torch_api.all_gather_single(output, inputs[rank].clone())
         findings.expect_equal(output, torch.cat(inputs), f"single form, {where}")
     findings.raise_if_any()
 
@@ -182,12 +183,12 @@ def test_64_mib(collective: str, rank_ctx) -> None:
     elif collective == "all_gather":
         block = numel // world
         tensor = torch.zeros(numel, device=device)
-        dist.all_gather_single(tensor, mine(rank)[rank * block : (rank + 1) * block])
+        torch_api.all_gather_single(tensor, mine(rank)[rank * block : (rank + 1) * block])
         expected = torch.cat([mine(r)[r * block : (r + 1) * block] for r in range(world)])
     elif collective == "reduce_scatter":
         block = numel // world
         tensor = torch.zeros(block, device=device)
-        dist.reduce_scatter_single(tensor, mine(rank))
+        torch_api.reduce_scatter_single(tensor, mine(rank))
         expected = ((index % 4093) * world + 8192 * sum(range(world)))[
             rank * block : (rank + 1) * block
         ]

@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from harness import torch_api
 from suites.backend.collectives import everyones, reduce_op, reduction_grid
 from suites.backend.contributions import SIZES
 from suites.backend.oracle import Findings, reduce, rounds, unlike
@@ -75,7 +76,7 @@ def test_reduce_scatter(op: str, dtype: str, rank_ctx) -> None:
         findings.expect_equal(output, expected, f"list form, {where}", one_rounding=rounds(op))
 
         output = unlike(expected, device)
-        dist.reduce_scatter_single(output, inputs[rank].clone(), op=reduce_op(op))
+        torch_api.reduce_scatter_single(output, inputs[rank].clone(), op=reduce_op(op))
         findings.expect_equal(output, expected, f"single form, {where}", one_rounding=rounds(op))
     findings.raise_if_any()
 
@@ -122,7 +123,7 @@ def test_low_precision_sum_is_as_accurate_as_fp32_accumulation(
     else:
         block = PRECISION_NUMEL // world
         result = torch.zeros(block, dtype=low, device=rank_ctx.device)
-        dist.reduce_scatter_single(result, inputs[rank][: block * world].contiguous())
+        torch_api.reduce_scatter_single(result, inputs[rank][: block * world].contiguous())
         exact = exact[rank * block : (rank + 1) * block]
         fp32_then_cast = fp32_then_cast[rank * block : (rank + 1) * block]
     error = (result.cpu().double() - exact).abs().mean().item()

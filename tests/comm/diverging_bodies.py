@@ -10,6 +10,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from harness import torch_api
+
 
 def skip_an_all_reduce(skipping_rank: int) -> None:
     dist.all_reduce(torch.ones(4))  # agreed
@@ -28,7 +30,7 @@ def never_arrive(stuck_rank: int) -> None:
     if dist.get_rank() == stuck_rank:
         while True:
             time.sleep(0.01)
-    dist.all_gather_single(torch.empty(2 * dist.get_world_size()), torch.ones(2))  # waits
+    torch_api.all_gather_single(torch.empty(2 * dist.get_world_size()), torch.ones(2))  # waits
 
 
 def functional_all_reduce_another_shape_in_backward(odd_rank: int) -> None:

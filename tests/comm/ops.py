@@ -5,15 +5,17 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from harness import torch_api
+
 
 def issue_each_op(world_size: int, rank: int, mesh) -> None:
     """Issue every collective the tracer claims to see, once, with distinct sizes."""
     from torch.distributed.tensor import DTensor, Shard
 
     dist.all_reduce(torch.ones(6))
-    dist.all_gather_single(torch.empty(3 * world_size), torch.ones(3))
+    torch_api.all_gather_single(torch.empty(3 * world_size), torch.ones(3))
     dist.all_gather([torch.empty(5) for _ in range(world_size)], torch.ones(5))
-    dist.reduce_scatter_single(torch.empty(2), torch.ones(2 * world_size))
+    torch_api.reduce_scatter_single(torch.empty(2), torch.ones(2 * world_size))
     dist.broadcast(torch.ones(7, dtype=torch.float64), src=0)
     dist.all_to_all_single(torch.empty(4 * world_size), torch.ones(4 * world_size))
     if rank == 0:

@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from harness import torch_api
 from harness.comm import CommTracer
 from tests.comm.ops import expected_records, issue_each_op, observed_records
 
@@ -62,10 +63,10 @@ def _hooked_step(mesh, world_size: int) -> None:
     tp_size = mesh.size(1)
 
     def gather_in_forward(module, args):
-        dist.all_gather_single(torch.empty(4 * mesh.size(0)), torch.ones(4), group=dp)
+        torch_api.all_gather_single(torch.empty(4 * mesh.size(0)), torch.ones(4), group=dp)
 
     def scatter_in_backward(grad):
-        dist.reduce_scatter_single(torch.empty(2), torch.ones(2 * tp_size), group=tp)
+        torch_api.reduce_scatter_single(torch.empty(2), torch.ones(2 * tp_size), group=tp)
         return grad
 
     model.register_forward_pre_hook(gather_in_forward)

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from harness import launch
+from harness import launch, torch_api
 from harness.report import render_failure
 from tests.comm import diverging_bodies
 
@@ -83,7 +83,8 @@ def test_a_hung_rank_that_never_arrived_is_named():
     assert "rank 0 never arrived at all_gather #0 on group world" in text, text
     assert "rank 0 issued no collective on this group [hung]" in text, text
     site = line_of(body, "# waits")
-    assert says(text, f"rank 1 called all_gather f32[2] (dist.all_gather_single) at {{path}}{site}")
+    issued = f"dist.{torch_api.ALL_GATHER_SINGLE}"
+    assert says(text, f"rank 1 called all_gather f32[2] ({issued}) at {{path}}{site}")
 
 
 def test_a_passing_run_has_no_diagnosis():

@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from harness import torch_api
 from harness.comm import CommTracer, delay_collectives, device_sleep, wrap_collectives
 from harness.comm.intercept import active_users, leftover_patches
 from harness.comm.records import WRAPPED_FUNCTIONS
@@ -67,7 +68,7 @@ def test_functional_collectives_and_reduce_scatter_are_delayed_too(rank_ctx):
     with delay_collectives(DELAY_S, kinds=("all_gather", "reduce_scatter"), ranks=[0]):
         gathered = _timed_from_barrier(shard.full_tensor)
         scattered = _timed_from_barrier(
-            lambda: dist.reduce_scatter_single(torch.empty(1), torch.ones(2))
+            lambda: torch_api.reduce_scatter_single(torch.empty(1), torch.ones(2))
         )
         reduced = _timed_from_barrier(lambda: dist.all_reduce(torch.ones(1)))
     assert gathered >= DELAY_S * 0.9, gathered
@@ -85,7 +86,7 @@ def test_a_wrapper_runs_on_the_chosen_ranks_only(rank_ctx):
 
     with wrap_collectives(count_then_issue, ranks=[0]):
         dist.all_reduce(torch.ones(3))
-        dist.all_gather_single(torch.empty(2 * rank_ctx.world_size), torch.ones(2))
+        torch_api.all_gather_single(torch.empty(2 * rank_ctx.world_size), torch.ones(2))
         dist.barrier()
     expected = [("all_reduce", ((3,),)), ("all_gather", ((2,),))] if rank_ctx.rank == 0 else []
     assert seen == expected, seen

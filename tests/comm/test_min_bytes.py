@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 
+from harness import torch_api
 from harness.comm import CommTracer, MinBytes, min_bytes_per_rank, padded_numel
 
 
@@ -54,8 +54,8 @@ def test_a_padded_flat_all_gather_and_reduce_scatter_meet_the_minimum(rank_ctx):
     shapes = [(10, 4), (3,)]
     padded = sum(padded_numel(s, ws) for s in shapes)
     with CommTracer() as trace:
-        dist.all_gather_single(torch.empty(padded), torch.ones(padded // ws))
-        dist.reduce_scatter_single(torch.empty(padded // ws), torch.ones(padded))
+        torch_api.all_gather_single(torch.empty(padded), torch.ones(padded // ws))
+        torch_api.reduce_scatter_single(torch.empty(padded // ws), torch.ones(padded))
     minimum = min_bytes_per_rank([shapes], shard_size=ws)
     assert trace.totals("all_gather").wire_bytes == minimum.all_gather, trace.calls
     assert trace.totals("reduce_scatter").wire_bytes == minimum.reduce_scatter, trace.calls

@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from harness import torch_api
 from harness.comm import CommTracer, assert_schedule
 
 REPO = Path(__file__).resolve().parents[2]
@@ -17,7 +18,7 @@ REPO = Path(__file__).resolve().parents[2]
 def _step(mesh) -> CommTracer:
     model = torch.nn.Linear(4, 4)
     model.register_forward_pre_hook(
-        lambda m, a: dist.all_gather_single(
+        lambda m, a: torch_api.all_gather_single(
             torch.empty(4 * mesh.size()), torch.ones(4), group=mesh.get_group()
         )
     )

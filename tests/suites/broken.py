@@ -39,7 +39,8 @@ and ``hidden_broken_gradient_sync``: ``ignore_gradient_sync`` with ``gradient_ac
 left undeclared (the way to earn 100 % that profiles and refusal probes close).
 
 Load one with ``--impl tests.suites.broken:skip_grad_average``. The patch of
-``torch.distributed.reduce_scatter_single`` (``skip_grad_average``) is installed in the
+``torch.distributed.reduce_scatter_single`` (``reduce_scatter_tensor`` before torch 2.13;
+``skip_grad_average``) is installed in the
 rank processes of that session only, which exist for it alone.
 """
 
@@ -53,6 +54,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from harness import torch_api
 from impl.api import Implementation, load_implementation
 
 
@@ -76,8 +78,9 @@ def _summing_reduce_scatter(original: Callable) -> Callable:
 
 
 def _install_summing_reduce_scatter() -> None:
-    if not getattr(dist.reduce_scatter_single, "summing", False):
-        dist.reduce_scatter_single = _summing_reduce_scatter(dist.reduce_scatter_single)
+    name = torch_api.REDUCE_SCATTER_SINGLE
+    if not getattr(getattr(dist, name), "summing", False):
+        setattr(dist, name, _summing_reduce_scatter(getattr(dist, name)))
 
 
 def _extra_all_reduce(module: nn.Module, args: Any) -> None:

@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from harness import torch_api
 from harness.api import run_on_ranks
 from harness.threads import run_threaded
 
@@ -57,12 +58,12 @@ def every_op() -> dict:
 
     def all_gather_single() -> torch.Tensor:
         out = torch.zeros(3 * ws, dtype=torch.float64)
-        dist.all_gather_single(out, _values(r, 3))
+        torch_api.all_gather_single(out, _values(r, 3))
         return out
 
     def reduce_scatter_single(op: str) -> torch.Tensor:
         out = torch.zeros(2, dtype=torch.float64)
-        dist.reduce_scatter_single(out, _values(r, 2 * ws), op=getattr(dist.ReduceOp, op))
+        torch_api.reduce_scatter_single(out, _values(r, 2 * ws), op=getattr(dist.ReduceOp, op))
         return out
 
     def reduce_scatter_uneven() -> torch.Tensor:

@@ -14,6 +14,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from harness import torch_api
+
 WORLD_SIZES = (2, 3, 4, 8)
 pytestmark = pytest.mark.parametrize("ws", WORLD_SIZES, ids=lambda ws: f"ws{ws}")
 
@@ -134,10 +136,10 @@ def test_all_gather_list_uneven(runners, ws):
 def _all_gather_single() -> None:
     r, ws = _rank()
     out = torch.zeros(3 * ws)
-    dist.all_gather_single(out, 10.0 * (r + 1) + torch.arange(3.0))
+    torch_api.all_gather_single(out, 10.0 * (r + 1) + torch.arange(3.0))
     _eq(out, torch.cat([10.0 * (j + 1) + torch.arange(3.0) for j in range(ws)]))
     stacked = torch.zeros(ws, 2, 2)  # the stacked output layout is allowed too
-    dist.all_gather_single(stacked, torch.full((2, 2), float(r + 1)))
+    torch_api.all_gather_single(stacked, torch.full((2, 2), float(r + 1)))
     _eq(stacked[:, 0, 0], torch.arange(1, ws + 1, dtype=torch.float32))
 
 
@@ -167,7 +169,7 @@ def _reduce_scatter_single(op_name: str) -> None:
     # Element i of rank r's input is (r + 1) * (i + 1); rank j keeps elements 2j, 2j + 1.
     inp = (r + 1) * torch.arange(1, 2 * ws + 1, dtype=torch.float64)
     out = torch.zeros(2, dtype=torch.float64)
-    dist.reduce_scatter_single(out, inp, op=getattr(dist.ReduceOp, op_name))
+    torch_api.reduce_scatter_single(out, inp, op=getattr(dist.ReduceOp, op_name))
     factor = ws * (ws + 1) / 2 if op_name == "SUM" else (ws + 1) / 2
     _eq(out, factor * torch.tensor([2 * r + 1, 2 * r + 2], dtype=torch.float64))
 

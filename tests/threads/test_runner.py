@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from harness import _torch_private
+from harness import _torch_private, torch_api
 from harness.outcomes import Outcome, RunFailedError
 from harness.threads import (
     CollectiveDeadlockError,
@@ -279,7 +279,7 @@ def _listened() -> None:
     pair = dist.new_group([0, 1])
     if dist.get_rank() in (0, 1):
         out = torch.zeros(4, dtype=torch.float64)
-        dist.all_gather_single(out, torch.zeros(2, dtype=torch.float64), group=pair)
+        torch_api.all_gather_single(out, torch.zeros(2, dtype=torch.float64), group=pair)
 
 
 def test_listener_sees_every_collective_with_sizes():

@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from harness import torch_api
 from suites.backend.bandwidth.arithmetic import (
     DTYPE_SIZES,
     Layout,
@@ -122,9 +123,9 @@ def _collective(
         return lambda: dist.broadcast(source, src=0)
     target = torch.empty(output_numel, dtype=dtype, device=device)
     if op == "all_gather":
-        return lambda: dist.all_gather_single(target, source)
+        return lambda: torch_api.all_gather_single(target, source)
     if op == "reduce_scatter":
-        return lambda: dist.reduce_scatter_single(target, source)
+        return lambda: torch_api.reduce_scatter_single(target, source)
     if op == "all_to_all":
         return lambda: dist.all_to_all_single(target, source)
     raise ValueError(f"unknown collective {op!r}")
