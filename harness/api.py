@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from harness import backend_plugins
 from harness.config import (
     DEFAULT_DEADLINE_S,
     DEFAULT_PEER_GRACE_S,
@@ -15,6 +16,7 @@ from harness.config import (
     default_threads_per_rank,
     device_count,
     resolve_backend,
+    sharing_refusal,
 )
 from harness.launchers import build_task, pool_key, pool_manager
 from harness.outcomes import Outcome, RunResult
@@ -37,6 +39,7 @@ def launch(
     rendezvous: str = "file",
     echo: Callable[[str], None] | None = None,
     device_audit: bool = False,
+    share_devices: bool = False,
 ) -> RunResult:
     """Run ``fn(*args, **kwargs)`` on every rank of a fresh pool; return every rank's result.
 
@@ -44,7 +47,8 @@ def launch(
     picklable. Inside ``fn``, ``harness.get_rank_context()`` gives the rank's context.
     Nothing is raised for a failing rank: inspect the returned :class:`RunResult`.
     ``device_audit`` fails ``fn`` on a rank when it creates a tensor without a device
-    (:mod:`harness.rank.device_audit`).
+    (:mod:`harness.rank.device_audit`). ``share_devices`` places the ranks round-robin on
+    fewer devices than ranks, where the backend can share one (``--dist-share-devices``).
     """
     world_size = check_world_size(world_size)
     launcher = check_launcher(launcher)
@@ -54,12 +58,17 @@ def launch(
             "--launcher external instead"
         )
     device_type = check_device_type(device)
+    backend_plugins.activate((), backend)  # a bundled backend (staged_gloo) registers itself
     backend = resolve_backend(launcher, backend, device_type)
     available = device_count(device_type)
-    if available is not None and available < world_size:
+    if share_devices and available:
+        refusal = sharing_refusal(backend, device_type, world_size, available)
+        if refusal is not None:
+            raise ConfigError(refusal)
+    elif available is not None and available < world_size:
         raise ConfigError(
             f"{world_size} ranks need {world_size} {device_type} devices, this machine has "
-            f"{available}; each rank owns one device"
+            f"{available}; each rank owns one device (or share them: share_devices=True)"
         )
     if deadline <= 0:
         raise ConfigError(f"deadline must be positive, got {deadline}")
@@ -79,6 +88,7 @@ def launch(
         device_type=device_type,
         threads_per_rank=threads_per_rank or default_threads_per_rank(world_size),
         rendezvous=rendezvous,
+        share_devices=share_devices,
     )
     pools = pool_manager(echo)
     try:

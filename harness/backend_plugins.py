@@ -47,9 +47,20 @@ def import_plugins(modules: Iterable[str]) -> list[str]:
     return names
 
 
-def activate(modules: Iterable[str]) -> list[str]:
-    """Import the plug-ins here and publish them to every rank started from now on."""
-    names = import_plugins(modules)
+#: Backends the harness bundles: ``--backend NAME`` imports the module, no plug-in flag needed.
+BUNDLED_BACKENDS = {"staged_gloo": "harness.backends.staged_gloo"}
+
+
+def activate(modules: Iterable[str], backend: str | None = None) -> list[str]:
+    """Import the plug-ins here and publish them to every rank started from now on.
+
+    ``backend`` is the ``--backend`` of the run: a bundled backend's module is added.
+    """
+    wanted = list(modules)
+    bundled = BUNDLED_BACKENDS.get((backend or "").lower())
+    if bundled is not None and bundled not in wanted:
+        wanted.append(bundled)
+    names = import_plugins(wanted)
     if names:
         os.environ[ENV_VAR] = ",".join(names)
     return names

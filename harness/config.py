@@ -106,6 +106,41 @@ def resolve_backend(launcher: str, backend: str | None, device_type: str) -> str
     return name
 
 
+#: Backends that cannot put two ranks of one group on one device, and why.
+DEVICE_EXCLUSIVE_BACKENDS = {
+    "nccl": "NCCL refuses two ranks of one communicator on one GPU",
+}
+
+
+def sharing_refusal(backend: str, device_type: str, world_size: int, devices: int) -> str | None:
+    """Why ``world_size`` ranks cannot share ``devices`` devices on ``backend``; None if they can.
+
+    One line: the backend, the world size, the device count, and what to run instead.
+    """
+    reason = DEVICE_EXCLUSIVE_BACKENDS.get(backend)
+    if reason is None or world_size <= devices:
+        return None
+    plural = "s" if devices != 1 else ""
+    return (
+        f"{backend} cannot share devices ({reason}): ws {world_size} on {devices} "
+        f"{device_type} device{plural}; run it with --backend staged_gloo --dist-share-devices, "
+        f"or on {world_size} devices"
+    )
+
+
+def binds_device_id(backend: str) -> bool:
+    """Whether ``init_process_group`` may bind this backend to the rank's device.
+
+    c10d's own backends take ``device_id``. A backend registered from Python (a vendor's
+    plug-in, ``staged_gloo``) is a CUSTOM backend type, and torch 2.13 fails the init of one
+    bound to a device ("No backend type associated with device type"): it starts unbound.
+    """
+    import torch.distributed as dist  # as in check_device_type
+
+    kind = dist.Backend.backend_type_map.get(backend)
+    return kind is not None and kind != dist.ProcessGroup.BackendType.CUSTOM
+
+
 def device_count(device_type: str) -> int | None:
     """How many devices of this type the machine has; None means unlimited (CPU ranks)."""
     if device_type == "cpu":
@@ -137,9 +172,38 @@ class DistSettings:
     rendezvous: str = "file"
     memory_limit: int | None = None
     device_audit: bool = False
+    share_devices: bool = False
 
     def threads_for(self, world_size: int) -> int:
         return self.threads_per_rank or default_threads_per_rank(world_size)
+
+    def placement(self, world_size: int) -> str:
+        """``ws 4`` or, with shared devices, ``ws 4 on 1 device``: how a failure names its world."""
+        if not self.share_devices or self.device_type == "cpu":
+            return f"ws {world_size}"
+        devices = device_count(self.device_type) or 0
+        if devices >= world_size:
+            return f"ws {world_size}"
+        return f"ws {world_size} on {devices} device{'s' if devices != 1 else ''}"
+
+
+def device_placement_line(settings: DistSettings) -> str:
+    """The session header's line on how ranks meet devices (accelerator runs only)."""
+    devices = device_count(settings.device_type) or 0
+    kind = settings.device_type
+    if settings.share_devices:
+        placement = f"ranks share the {devices} {kind} device(s) round-robin (--dist-share-devices)"
+        refusal = DEVICE_EXCLUSIVE_BACKENDS.get(settings.backend)
+        if refusal is not None:
+            placement += f"; {settings.backend} cannot ({refusal}): larger worlds skip"
+    else:
+        placement = f"one {kind} device per rank ({devices} visible)"
+    if binds_device_id(settings.backend):
+        return f"{placement}; process groups bound to their device (device_id)"
+    return (
+        f"{placement}; device_id not bound: {settings.backend} is a backend registered from "
+        f"Python, which c10d cannot bind to a device"
+    )
 
 
 def parse_world_sizes(text: str | None) -> tuple[int, ...] | None:

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from harness._pytest_private import AssertionSettings
-from harness.config import ConfigError, device_count
+from harness.config import ConfigError, binds_device_id, device_count
 from harness.deadline import pg_timeout_for
 from harness.leasing import LeasedPool
 from harness.pools import PoolKey, PoolManager, RankPool, env_fingerprint
@@ -31,6 +31,7 @@ def pool_key(
     device_type: str,
     threads_per_rank: int,
     rendezvous: str = "file",
+    share_devices: bool = False,
 ) -> PoolKey:
     """The key of the warm pool that can run this world, the inherited environment included."""
     return PoolKey(
@@ -40,6 +41,7 @@ def pool_key(
         device_type=device_type,
         threads_per_rank=threads_per_rank,
         rendezvous=rendezvous,
+        share_devices=share_devices and device_type != "cpu",
         env_fingerprint=env_fingerprint(),
     )
 
@@ -83,6 +85,10 @@ def make_pool(key: PoolKey, *, echo: Echo = None) -> RankPool:
         # ranks (all its tests local, or under torchrun) does not pay for them.
         from harness.process.pool import ProcessPool, ProcessPoolSpec
 
+        total = device_count(key.device_type)
+        # With shared devices the ranks take the devices there are, round-robin.
+        devices = min(key.world_size, total) if key.share_devices and total else key.world_size
+
         def process_pool(extra_env: dict[str, str]) -> RankPool:
             spec = ProcessPoolSpec(
                 world_size=key.world_size,
@@ -90,16 +96,18 @@ def make_pool(key: PoolKey, *, echo: Echo = None) -> RankPool:
                 device_type=key.device_type,
                 threads_per_rank=key.threads_per_rank,
                 rendezvous=key.rendezvous,
+                devices=devices,
+                bind_device=binds_device_id(key.backend),
                 env=(*key.env, *extra_env.items()),
                 echo=echo,
             )
             return ProcessPool(spec)
 
-        total = device_count(key.device_type)
-        if total is None:
+        if total is None or key.share_devices:
+            # CPU ranks, or ranks that share devices anyway: nothing to lease.
             return process_pool({})
         # Accelerator ranks: lease devices so parallel pytest workers never share one.
-        return LeasedPool(key.device_type, key.world_size, total, process_pool)
+        return LeasedPool(key.device_type, devices, total, process_pool)
     if key.launcher == "thread":
         # As above: the thread host's side imports the process pool.
         from harness.threads.host import ThreadHostPool

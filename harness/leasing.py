@@ -8,6 +8,8 @@ deadline) instead of oversubscribing. The ranks then see only their leased devic
 through the device type's visibility variable (``CUDA_VISIBLE_DEVICES`` for CUDA), so
 rank ``r`` uses its local device ``r``. The locks are ``filelock``'s (``flock`` on POSIX),
 which vanish with the process holding them: a killed worker never leaves a device leased.
+A run with ``--dist-share-devices`` leases nothing: its ranks take the devices there are,
+round-robin, whoever else uses them.
 
 ``DISTCONFORM_FAKE_DEVICE_COUNT`` replaces the real device count, so leasing can be
 tested on a machine without accelerators.
@@ -112,9 +114,9 @@ class LeasedPool:
     whose ranks see only the leased devices.
     """
 
-    def __init__(self, device_type: str, world_size: int, total: int, make_pool) -> None:
+    def __init__(self, device_type: str, devices: int, total: int, make_pool) -> None:
         self.device_type = device_type
-        self.world_size = world_size
+        self.devices = devices
         self.total = total
         self._make_pool = make_pool
         self._lease: DeviceLease | None = None
@@ -135,7 +137,7 @@ class LeasedPool:
     def start(self, timeout: float | None = None) -> None:
         budget = timeout if timeout is not None else 120.0
         started = time.monotonic()
-        self._lease = lease_devices(self.device_type, self.world_size, self.total, budget)
+        self._lease = lease_devices(self.device_type, self.devices, self.total, budget)
         self._pool = self._make_pool(self._lease.visibility_env())
         try:
             self._pool.start(max(1.0, budget - (time.monotonic() - started)))

@@ -20,6 +20,7 @@ from harness.config import (
     DistSettings,
     check_device_type,
     check_launcher,
+    device_placement_line,
     parse_memory_limit,
     parse_world_sizes,
     resolve_backend,
@@ -135,6 +136,14 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "(default: ini dist_device_audit, off; marker device_audit for one test)",
     )
     group.addoption(
+        "--dist-share-devices",
+        action="store_true",
+        default=False,
+        help="with fewer devices than ranks, place the ranks round-robin on the devices there "
+        "are, where the backend can share one (staged_gloo, gloo; not nccl) (default: ini "
+        "dist_share_devices, off: one device per rank)",
+    )
+    group.addoption(
         "--dist-summary",
         action="store_true",
         default=False,
@@ -173,6 +182,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
     parser.addini("dist_launcher", "default launcher", default="process")
     parser.addini(
+        "dist_share_devices",
+        "place ranks round-robin on fewer devices than ranks (see --dist-share-devices)",
+        type="bool",
+        default=False,
+    )
+    parser.addini(
         "dist_device_audit",
         "fail distributed tests whose body creates a tensor without a device",
         type="bool",
@@ -206,7 +221,7 @@ def pytest_configure(config: pytest.Config) -> None:
         # never declared it must not fail on our account.
         config.addinivalue_line("markers", _SLOW_MARKER)
     try:
-        backend_plugins.activate(config.getoption("backend_plugin"))
+        backend_plugins.activate(config.getoption("backend_plugin"), config.getoption("backend"))
     except backend_plugins.BackendPluginError as exc:
         raise pytest.UsageError(f"distconform: {exc}") from None
     pytest_run.prestart_if_expected(config)  # before _settings_from imports torch
@@ -252,6 +267,7 @@ def _settings_from(config: pytest.Config) -> DistSettings:
             config.getoption("dist_memory_limit"), "--dist-memory-limit"
         ),
         device_audit=config.getoption("dist_device_audit") or config.getini("dist_device_audit"),
+        share_devices=config.getoption("dist_share_devices") or config.getini("dist_share_devices"),
     )
 
 
@@ -270,7 +286,10 @@ def pytest_report_header(config: pytest.Config) -> str | None:
     world = external_world(config)
     if world is not None:
         header += f", rank {world.rank} of a {world.me.starter} world of {world.world_size}"
-    return header
+    lines = [header]
+    if settings.device_type != "cpu" and settings.launcher != "external":
+        lines.append(f"distconform: {device_placement_line(settings)}")
+    return lines
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:

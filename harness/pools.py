@@ -47,13 +47,15 @@ class PoolKey:
     device_type: str
     threads_per_rank: int
     rendezvous: str = "file"
+    share_devices: bool = False
     env: tuple[tuple[str, str], ...] = ()
     env_fingerprint: int = 0
 
     def describe(self) -> str:
+        shared = ", devices shared" if self.share_devices else ""
         return (
             f"{self.launcher}/{self.backend}/{self.device_type}, ws {self.world_size}, "
-            f"{self.threads_per_rank} thread(s) per rank"
+            f"{self.threads_per_rank} thread(s) per rank{shared}"
         )
 
 

@@ -20,7 +20,7 @@ import pytest
 
 from harness import summary
 from harness._pytest_private import skip_at_the_items_location
-from harness.config import ConfigError, DistSettings, device_count
+from harness.config import ConfigError, DistSettings, device_count, sharing_refusal
 from harness.deadline import deadline_for, outer_limit_for
 from harness.gc_freeze import freeze_heap
 from harness.launchers import build_task, pool_key, pool_manager
@@ -187,11 +187,17 @@ def check_resources(item: pytest.Item) -> None:
         pytest.skip("a per-rank memory limit needs rank processes (--launcher process)")
     if item.get_closest_marker("requires_accelerator") and device_type == "cpu":
         pytest.skip("needs an accelerator; this run's device is cpu (choose one with --device)")
-    needed = world_size_of(item) if device_type != "cpu" else 0
+    world_size = world_size_of(item)
+    available = device_count(device_type)
+    needed = world_size if device_type != "cpu" else 0
+    if settings.share_devices and available:
+        refusal = sharing_refusal(settings.backend, device_type, world_size, available)
+        if refusal is not None:
+            pytest.skip(refusal)
+        needed = min(needed, 1)
     marker = item.get_closest_marker("requires_devices")
     if marker is not None:
         needed = max(needed, required_devices_of(marker))
-    available = device_count(device_type)
     if available is not None and available < needed:
         pytest.skip(f"needs {needed} {device_type} device(s), this machine has {available}")
 
@@ -289,6 +295,7 @@ def run_on_ranks(
             device_type=settings.device_type,
             threads_per_rank=settings.threads_for(world_size),
             rendezvous=settings.rendezvous,
+            share_devices=settings.share_devices,
         )
         run = item.config.stash[POOLS_KEY].run(
             key,
@@ -334,8 +341,8 @@ def _conclude(item: pytest.Item, settings: DistSettings, run: RunResult) -> None
             pytest.xfail(_joined_reasons(run, Outcome.XFAILED))
         return
     context = (
-        f"ws {run.world_size}, {settings.launcher}/{settings.backend}/{settings.device_type}, "
-        f"seed {run.seed}"
+        f"{settings.placement(run.world_size)}, "
+        f"{settings.launcher}/{settings.backend}/{settings.device_type}, seed {run.seed}"
     )
     command = reproducer(item, settings)
     item.user_properties.append((REPRODUCE_PROPERTY, command))
@@ -371,6 +378,8 @@ def reproducer(item: pytest.Item, settings: DistSettings) -> str:
     ]
     if settings.device_audit:
         args.append("--dist-device-audit")
+    if settings.share_devices:
+        args.append("--dist-share-devices")
     for extra in item.config.hook.pytest_distconform_reproducer_args(config=item.config):
         args.extend(extra)
     return shlex.join(args)

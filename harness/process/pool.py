@@ -55,6 +55,10 @@ class ProcessPoolSpec:
     start_timeout: float = 120.0
     rendezvous: str = "file"
     start_method: str = "forkserver"
+    # How many devices the ranks use, round-robin (fewer than ranks when they share them),
+    # and whether init_process_group binds each rank to its device.
+    devices: int | None = None
+    bind_device: bool = True
     env: tuple[tuple[str, str], ...] = ()
     echo: Callable[[str], None] | None = field(default=None, compare=False)
 
@@ -164,6 +168,8 @@ class ProcessPool:
             world_size=self.spec.world_size,
             backend=self.spec.backend,
             device_type=self.spec.device_type,
+            device_index=rank % (self.spec.devices or self.spec.world_size),
+            bind_device=self.spec.bind_device,
             launcher=self.launcher,
             threads=self.spec.threads_per_rank,
             control_fd=control_fd,
@@ -193,8 +199,10 @@ class ProcessPool:
         threads = str(self.spec.threads_per_rank)
         env["OMP_NUM_THREADS"] = threads
         env["MKL_NUM_THREADS"] = threads
-        if self.spec.device_type == "cpu":
-            env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        # Every rank of a pool is on this host: gloo (the CPU backend, and the one that
+        # staged_gloo carries device tensors through) connects over loopback, whatever the
+        # host's name resolves to.
+        env.setdefault("GLOO_SOCKET_IFNAME", "lo")
         env.update(dict(self.spec.env))
         return env
 

@@ -34,6 +34,11 @@ class WorkerSpec:
     init_timeout: float
     parent_pid: int
     sys_path: tuple[str, ...]
+    # The local index of this rank's device (its rank, unless ranks share devices), and
+    # whether the process group is bound to it (a plug-in backend cannot be: see
+    # harness.config.binds_device_id).
+    device_index: int = 0
+    bind_device: bool = True
 
     def to_json(self) -> str:
         return json.dumps(self.__dict__)

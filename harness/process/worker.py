@@ -86,9 +86,9 @@ def _join_world(spec: WorkerSpec) -> Any:
     device = torch.device(spec.device_type)
     device_id = None
     if spec.device_type != "cpu":
-        torch.accelerator.set_device_index(spec.rank)
-        device = torch.device(spec.device_type, spec.rank)
-        device_id = device
+        torch.accelerator.set_device_index(spec.device_index)
+        device = torch.device(spec.device_type, spec.device_index)
+        device_id = device if spec.bind_device else None
     dist.init_process_group(
         backend=spec.backend,
         store=_make_store(spec.store, spec.world_size, timeout),
