@@ -23,8 +23,9 @@ and gloo connections, and nothing is started between timed runs. The harness giv
 one torch thread and a private rendezvous; its per-collective flight recorder is switched off
 (``DISTCONFORM_COMM_FLIGHT=0``) so that nothing but the arms runs in the ranks.
 
-Memory, measured after all timing (it changes the allocator's settings): glibc's ``malloc`` is
-told to serve every block of 64 KiB or more with ``mmap`` (``mallopt``), so freed tensors go back
+Memory on the CPU, measured after all timing (it changes the allocator's settings): glibc's
+``malloc`` is told to serve every block of 64 KiB or more with ``mmap`` (``mallopt``), so freed
+tensors go back
 to the OS and RSS follows live memory; then, for each arm in turn, the model is built and
 sharded and its optimizer made (the post-init baseline, ``VmRSS``), the peak RSS counter is reset
 (``/proc/self/clear_refs``) and ``--mem-steps`` steps run; peak above baseline = ``VmHWM`` minus
@@ -43,6 +44,13 @@ sharding, with the all-gather counted once more for every group that reshards af
 
     python benchmarks/impl_step.py --out impl_step.json            # the full benchmark
     python benchmarks/impl_step.py --world-sizes 2 --models mlp --raf true --pairs 3 --steps 3
+
+On an accelerator (``--device cuda``, any device type torch.accelerator knows), the model, data
+and mesh live on each rank's device, every timed run ends with ``torch.accelerator.synchronize``,
+and memory is the device allocator's: the peak of ``max_memory_allocated`` over the steps above
+``memory_allocated`` after init (per rank process, so ranks sharing one device with
+``--share-devices`` each count their own). ``--backend`` picks the process-group backend
+(default: the device's).
 
 ``--profile DIR`` also runs ``--profile-steps`` steps of each implementation under cProfile on
 rank 0 and writes ``DIR/<ws>-<model>-raf<value>-<impl>.pstats`` plus the top entries.
@@ -105,6 +113,7 @@ class Options:
     mem_repeats: int
     profile_dir: str | None
     profile_steps: int
+    device_type: str = "cpu"
 
 
 # --- the workload ------------------------------------------------------------------------
@@ -113,13 +122,14 @@ class Options:
 class Workload:
     """One arm: a model sharded by one implementation, its optimizer and its data."""
 
-    def __init__(self, case: Case, impl_spec: str, mesh: Any, rank: int) -> None:
+    def __init__(self, case: Case, impl_spec: str, mesh: Any, rank: int, device: Any) -> None:
         import torch
 
         from impl.api import load_implementation
 
         impl = load_implementation(impl_spec)
-        self.model, self.blocks = build_model(case.model)
+        with torch.device(device):
+            self.model, self.blocks = build_model(case.model)
         self.groups = parameter_groups(self.model, self.blocks)
         self.param_elements = sum(p.numel() for p in _distinct(self.model.parameters()))
         for block in self.blocks:
@@ -128,12 +138,14 @@ class Workload:
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-3)
         # Different data per rank (so gradient averaging is real), the same for every arm.
         data = torch.Generator().manual_seed(1000 + rank)
+        # Drawn on the CPU (one generator for every device type), then moved.
         if case.model == "transformer":
-            self.inputs = torch.randint(0, VOCAB, (BATCH, SEQ_LEN), generator=data)
-            self.targets = torch.randint(0, VOCAB, (BATCH * SEQ_LEN,), generator=data)
+            inputs = torch.randint(0, VOCAB, (BATCH, SEQ_LEN), generator=data, device="cpu")
+            targets = torch.randint(0, VOCAB, (BATCH * SEQ_LEN,), generator=data, device="cpu")
         else:
-            self.inputs = torch.randn(BATCH * SEQ_LEN, DIM, generator=data)
-            self.targets = torch.randn(BATCH * SEQ_LEN, DIM, generator=data)
+            inputs = torch.randn(BATCH * SEQ_LEN, DIM, generator=data, device="cpu")
+            targets = torch.randn(BATCH * SEQ_LEN, DIM, generator=data, device="cpu")
+        self.inputs, self.targets = inputs.to(device), targets.to(device)
         self.is_transformer = case.model == "transformer"
 
     def step(self) -> None:
@@ -217,11 +229,11 @@ def run_rank(options: Options) -> dict[str, Any]:
     from harness import get_rank_context
 
     ctx = get_rank_context()
-    rank, world_size = ctx.rank, ctx.world_size
-    mesh = init_device_mesh("cpu", (world_size,))
+    rank, world_size, device = ctx.rank, ctx.world_size, ctx.device
+    mesh = init_device_mesh(ctx.device_type, (world_size,))
     results: dict[str, Any] = {"threads": torch.get_num_threads(), "cases": {}}
     for case in options.cases:
-        arms = {arm: Workload(case, IMPL_OF_ARM[arm], mesh, rank) for arm in ARMS}
+        arms = {arm: Workload(case, IMPL_OF_ARM[arm], mesh, rank, device) for arm in ARMS}
         for workload in arms.values():
             for _ in range(options.warmup):
                 workload.step()
@@ -229,7 +241,7 @@ def run_rank(options: Options) -> dict[str, Any]:
         times: dict[str, list[float]] = {arm: [] for arm in ARMS}
         for block in range(options.pairs):
             for arm in ORDERS[block % len(ORDERS)]:
-                times[arm].append(timed_run(arms[arm], options, dist))
+                times[arm].append(timed_run(arms[arm], options, dist, device))
         profile = None
         if options.profile_dir is not None:
             profile = {
@@ -248,29 +260,35 @@ def run_rank(options: Options) -> dict[str, Any]:
         }
         del arms
         gc.collect()
-    _serve_large_blocks_with_mmap()
+    if device.type == "cpu":
+        _serve_large_blocks_with_mmap()
     for case in options.cases:
         peaks: dict[str, list[int]] = {"torch": [], "reference": []}
         # Alternating repeats: what the allocator keeps from one run lands on both sides.
         for _ in range(options.mem_repeats):
             for impl in peaks:
-                peaks[impl].append(measure_memory(case, impl, mesh, rank, options.mem_steps, dist))
+                peaks[impl].append(
+                    measure_memory(case, impl, mesh, rank, options.mem_steps, dist, device)
+                )
         results["cases"][case.label]["peak_rss_above_baseline"] = peaks
     return results
 
 
-def timed_run(workload: Workload, options: Options, dist: Any) -> float:
+def timed_run(workload: Workload, options: Options, dist: Any, device: Any) -> float:
     """Mean seconds per step of one run, as seen by the slowest rank."""
     import torch
 
     for _ in range(options.warmup_per_run):
         workload.step()
+    _settle(device)
     dist.barrier()
     start = time.perf_counter()
     for _ in range(options.steps):
         workload.step()
+    _settle(device)
     dist.barrier()
-    elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+    # On the rank's device: NCCL reduces device tensors only.
+    elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64, device=device)
     dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
     return elapsed.item() / options.steps
 
@@ -304,13 +322,31 @@ def measure_traffic(workload: Workload, mesh: Any) -> dict[str, int]:
     }
 
 
-def measure_memory(case: Case, impl: str, mesh: Any, rank: int, steps: int, dist: Any) -> int:
-    """Peak RSS above the post-init baseline over ``steps`` steps (bytes, largest rank)."""
+def _settle(device: Any) -> None:
+    """Wait for the work queued on an accelerator: its steps end when the device is done."""
+    import torch
+
+    if device.type != "cpu":
+        torch.accelerator.synchronize(device)
+
+
+def measure_memory(
+    case: Case, impl: str, mesh: Any, rank: int, steps: int, dist: Any, device: Any
+) -> int:
+    """Peak memory above the post-init baseline over ``steps`` steps (bytes, largest rank):
+    RSS on the CPU, the device allocator's statistics on an accelerator."""
     import torch
 
     gc.collect()
-    workload = Workload(case, impl, mesh, rank)
+    workload = Workload(case, impl, mesh, rank, device)
     gc.collect()
+    if device.type != "cpu":
+        above_bytes = _device_peak_above_baseline(workload, steps, dist, device)
+        del workload
+        gc.collect()
+        above = torch.tensor([above_bytes], dtype=torch.int64, device=device)
+        dist.all_reduce(above, op=dist.ReduceOp.MAX)
+        return int(above.item())
     # Free heap pages left by earlier work would otherwise absorb this run's allocations.
     ctypes.CDLL("libc.so.6").malloc_trim(0)
     dist.barrier()
@@ -324,6 +360,19 @@ def measure_memory(case: Case, impl: str, mesh: Any, rank: int, steps: int, dist
     above = torch.tensor([(peak - baseline) * 1024], dtype=torch.int64)
     dist.all_reduce(above, op=dist.ReduceOp.MAX)
     return int(above.item())
+
+
+def _device_peak_above_baseline(workload: Workload, steps: int, dist: Any, device: Any) -> int:
+    import torch
+
+    _settle(device)
+    dist.barrier()
+    baseline = torch.accelerator.memory_allocated(device)
+    torch.accelerator.reset_peak_memory_stats(device)
+    for _ in range(steps):
+        workload.step()
+    _settle(device)
+    return torch.accelerator.max_memory_allocated(device) - baseline
 
 
 def _serve_large_blocks_with_mmap() -> None:
@@ -571,6 +620,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--profile-steps", type=int, default=5)
     parser.add_argument("--deadline", type=float, default=3600.0, help="seconds per world size")
     parser.add_argument("--out", metavar="JSON", help="write every measurement here")
+    parser.add_argument("--device", default="cpu", help="device type of the ranks (default: cpu)")
+    parser.add_argument("--backend", help="process-group backend (default: the device's)")
+    parser.add_argument(
+        "--share-devices",
+        action="store_true",
+        help="with fewer devices than ranks, place ranks round-robin on them "
+        "(a backend that can share: staged_gloo)",
+    )
     args = parser.parse_args(argv)
     for name in ("pairs", "steps", "mem_steps", "mem_repeats", "profile_steps"):
         if getattr(args, name) < 1:
@@ -599,12 +656,22 @@ def write_report(
             "cpus": os.cpu_count(),
             "python": platform.python_version(),
             "torch": torch.__version__,
+            "device": options.device_type,
+            "device_name": _device_name(options.device_type),
             "load_average_1min": loads,
             "torch_threads_per_rank": threads,
         },
         "rows": rows,
     }
     Path(path).write_text(json.dumps(report, indent=1))
+
+
+def _device_name(device_type: str) -> str:
+    import torch
+
+    if device_type == "cuda" and torch.cuda.is_available():
+        return torch.cuda.get_device_name(0)
+    return platform.processor() or device_type
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -624,6 +691,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         mem_repeats=args.mem_repeats,
         profile_dir=str(Path(args.profile).resolve()) if args.profile else None,
         profile_steps=args.profile_steps,
+        device_type=args.device,
     )
     started = time.perf_counter()
     rows = []
@@ -631,7 +699,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     loads = [os.getloadavg()[0]]
     for world_size in args.world_sizes:
         per_rank = run_on_ranks(
-            run_rank, world_size, (options,), threads_per_rank=1, deadline=args.deadline
+            run_rank,
+            world_size,
+            (options,),
+            threads_per_rank=1,
+            deadline=args.deadline,
+            device=args.device,
+            backend=args.backend,
+            share_devices=args.share_devices,
         )
         loads.append(os.getloadavg()[0])
         threads[world_size] = [r["threads"] for r in per_rank]

@@ -18,19 +18,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-#: The torch releases distconform supports, oldest first (``pyproject.toml`` says the same).
-SUPPORTED_TORCH = ((2, 11), (2, 12), (2, 13), (2, 14), (2, 15))
-
-
-def installed_torch_version() -> tuple[int, int]:
-    major, minor = torch.__version__.split("+")[0].split(".")[:2]
-    return int(major), int(minor)
-
-
-def describe_window() -> str:
-    first, last = SUPPORTED_TORCH[0], SUPPORTED_TORCH[-1]
-    return f"torch {first[0]}.{first[1]} to {last[0]}.{last[1]}"
-
 
 def _first_present(*names: str) -> str:
     for name in names:

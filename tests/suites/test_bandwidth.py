@@ -189,9 +189,10 @@ def test_choose_iters(max_iters, estimate, budget, expected):
 def test_parse_world_sizes_and_ops():
     assert parse_world_sizes("2,4") == (2, 4)
     assert parse_world_sizes("4, 2,4") == (4, 2)
+    assert parse_world_sizes("1") == (1,)  # the local path, as nccl-tests on one GPU
     assert parse_ops("all") == DEFAULT_OPS
     assert parse_ops("broadcast,all_reduce,broadcast") == ("broadcast", "all_reduce")
-    for bad in ("1", "2,x", ""):
+    for bad in ("0", "2,x", ""):
         with pytest.raises(ValueError):
             parse_world_sizes(bad)
     with pytest.raises(ValueError, match="unknown collective 'allreduce'"):
@@ -220,7 +221,7 @@ def test_records_take_the_slowest_rank():
     [
         (["--min-bytes", "64MB"], "ambiguous"),
         (["--min-bytes", "1M", "--max-bytes", "1K"], "min-bytes <= max-bytes"),
-        (["--world-sizes", "1"], "one rank"),
+        (["--world-sizes", "0"], "at least one rank"),
         (["--ops", "allreduce"], "unknown collective"),
         (["--dtype", "float8"], "unknown dtype"),
         (["--backend", "nosuchbackend"], "unknown backend 'nosuchbackend'"),

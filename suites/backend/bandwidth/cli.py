@@ -111,6 +111,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--device", default="cpu", help="device type of the ranks (default: cpu)")
     parser.add_argument(
+        "--share-devices",
+        action="store_true",
+        help="with fewer devices than ranks, place ranks round-robin on them (a backend that "
+        "can share one: staged_gloo)",
+    )
+    parser.add_argument(
         "--world-sizes",
         type=_argument(parse_world_sizes),
         default=(2, 4),
@@ -195,7 +201,13 @@ def resolve_settings(options: argparse.Namespace) -> Settings:
     """Check everything that can be checked before a rank starts. Raises UsageError."""
     # torch only from here: --help and argument errors answer before it loads.
     from harness.backend_plugins import BackendPluginError, activate
-    from harness.config import ConfigError, check_device_type, device_count, resolve_backend
+    from harness.config import (
+        ConfigError,
+        check_device_type,
+        device_count,
+        resolve_backend,
+        sharing_refusal,
+    )
 
     try:
         sizes = size_ladder(options.min_bytes, options.max_bytes, options.step_factor)
@@ -206,15 +218,19 @@ def resolve_settings(options: argparse.Namespace) -> Settings:
         if not folder.is_dir():
             raise UsageError(f"--json {options.json}: the folder {folder} does not exist")
     try:
-        plugins = activate(options.backend_plugin)
+        plugins = activate(options.backend_plugin, options.backend)
         device = check_device_type(options.device)
         backend = resolve_backend(options.launcher, options.backend, device)
         peer_backend = resolve_backend(PEER_LAUNCHER, PEER_BACKEND, PEER_DEVICE)
     except (ConfigError, BackendPluginError) as exc:
         raise UsageError(str(exc)) from None
     available = device_count(device)
-    if available is not None and available < max(options.world_sizes):
-        largest = max(options.world_sizes)
+    largest = max(options.world_sizes)
+    if options.share_devices and available:
+        refusal = sharing_refusal(backend, device, largest, available)
+        if refusal is not None:
+            raise UsageError(refusal)
+    elif available is not None and available < largest:
         raise UsageError(
             f"world size {largest} needs {largest} {device} devices (one per rank), this "
             f"machine has {available}"
@@ -234,6 +250,7 @@ def resolve_settings(options: argparse.Namespace) -> Settings:
         time_budget_s=options.time_budget,
         deadline_s=options.deadline,
         backend_plugins=tuple(plugins),
+        share_devices=options.share_devices,
     )
 
 

@@ -189,6 +189,7 @@ class Settings:
     time_budget_s: float
     deadline_s: float
     backend_plugins: tuple[str, ...] = ()
+    share_devices: bool = False
 
 
 def make_records(
@@ -296,6 +297,7 @@ def _run_benchmark(settings: Settings) -> tuple[list[Record], list[Failure]]:
                         # One torch thread per rank everywhere (the thread launcher's host
                         # always runs one), so the backends differ only in how they move data.
                         threads_per_rank=1,
+                        share_devices=settings.share_devices,
                     )
                 except (DistributedFailure, ConfigError) as exc:
                     headline = _failure_headline(exc)
