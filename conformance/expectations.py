@@ -1,6 +1,6 @@
 """Expectations of one implementation: known failures and tolerance overrides (TOML).
 
-A file lives with whoever maintains the implementation (``suites/expectations/torch.toml``
+A file lives with whoever maintains the implementation (``suites/expectations/torch-<version>.toml``
 for torch's own ``fully_shard``; a vendor keeps theirs in their repository and passes
 ``--expectations FILE``)::
 
@@ -9,6 +9,7 @@ for torch's own ``fully_shard``; a vendor keeps theirs in their repository and p
     reason = "what differs, with the evidence"
     category = "NUMERICS"                      # NOT_SUPPORTED, NUMERICS, COMM, ERROR_MESSAGE, OTHER
     link = "https://github.com/pytorch/pytorch/issues/..."
+    devices = ["cuda"]                         # optional: only on these device types
 
     [[tolerance]]                              # loosen a comparison instead of giving up on it
     id = "suites/test_x.py::test_z"
@@ -66,6 +67,8 @@ class Entry:
     link: str = ""
     rtol: float | None = None
     atol: float | None = None
+    #: The device types the entry holds on (empty: every one).
+    devices: tuple[str, ...] = ()
 
     def matches(self, nodeid: str) -> bool:
         return matches(self.pattern, nodeid)
@@ -100,6 +103,12 @@ class Expectations:
     @property
     def entries(self) -> list[Entry]:
         return [*self.xfails, *self.tolerances]
+
+    def on_device(self, device_type: str) -> Expectations:
+        """The entries that hold on ``device_type`` (an entry naming ``devices`` holds on
+        those alone): a difference seen only on an accelerator expects nothing on the CPU."""
+        holds = [e for e in self.xfails if not e.devices or device_type in e.devices]
+        return Expectations(xfails=holds, tolerances=self.tolerances, sources=self.sources)
 
     def xfail_for(self, nodeid: str) -> Entry | None:
         """The first xfail entry selecting ``nodeid`` (file order decides)."""
@@ -160,14 +169,20 @@ def _entry(kind: str, index: int, table: dict, path: Path, lines: list[str]) -> 
         raise ExpectationsError(f"{where} ({pattern}): needs a reason")
     line = _line_of(pattern, lines)
     if kind == "xfail":
-        allowed = {"id", "reason", "category", "link"}
+        allowed = {"id", "reason", "category", "link", "devices"}
         category = table.get("category", "OTHER")
         if category not in CATEGORIES:
             raise ExpectationsError(
                 f"{where} ({pattern}): category {category!r} is not one of {', '.join(CATEGORIES)}"
             )
         _no_extra_keys(table, allowed, where, pattern)
-        return Entry(kind, pattern, reason, path, line, category, str(table.get("link", "")))
+        devices = table.get("devices", [])
+        if not isinstance(devices, list) or not all(isinstance(d, str) and d for d in devices):
+            raise ExpectationsError(
+                f'{where} ({pattern}): devices must be a list of device types, e.g. ["cuda"]'
+            )
+        link = str(table.get("link", ""))
+        return Entry(kind, pattern, reason, path, line, category, link, devices=tuple(devices))
     _no_extra_keys(table, {"id", "reason", "rtol", "atol", "link"}, where, pattern)
     rtol, atol = table.get("rtol"), table.get("atol")
     if rtol is None and atol is None:

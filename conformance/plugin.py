@@ -36,6 +36,7 @@ from harness.session import (
     settings_of,
     world_size_of,
 )
+from harness.torch_window import installed_torch_version
 from impl.api import ENV_VAR, Implementation, default_spec, load_implementation
 from suites.backend.declaration import BackendDeclaration, DeclarationError, load_declaration
 from suites.cases import (
@@ -47,8 +48,9 @@ from suites.cases import (
 )
 
 PLUGIN_NAME = "distconform-conformance-report"
-# The harness plugin's pytest11 entry point name (pyproject.toml).
-HARNESS_PLUGIN_NAME = "distconform"
+# The harness plugin as pytest names it: its pytest11 entry point (pyproject.toml) when
+# installed, its module when a plain copy of the tree names it with ``-p``.
+HARNESS_PLUGIN_NAMES = ("distconform", "harness.plugin")
 JUNIT_NAME = "conformance.junit.xml"
 TOLERANCE_KEY = pytest.StashKey[Tolerance]()
 DECLARATION_KEY = pytest.StashKey[BackendDeclaration]()
@@ -133,7 +135,7 @@ def pytest_configure(config: pytest.Config) -> None:
     )
     if config.pluginmanager.has_plugin(PLUGIN_NAME):
         return
-    if not config.pluginmanager.has_plugin(HARNESS_PLUGIN_NAME):
+    if not any(config.pluginmanager.has_plugin(name) for name in HARNESS_PLUGIN_NAMES):
         # -p no:distconform: the harness that runs the suites' ranks is off, and with it
         # the hooks this plugin implements; plain tests still run.
         return
@@ -226,11 +228,17 @@ def conformance_tolerance(request: pytest.FixtureRequest) -> Tolerance:
 
 
 def default_expectations_path(spec: str) -> Path | None:
-    """``suites/expectations/<spec>.toml`` for a built-in implementation, if it exists."""
+    """The expectations of a built-in implementation on the installed torch, if any:
+    ``suites/expectations/<spec>-<major>.<minor>.toml`` (torch's FSDP2 differs between
+    releases), else ``suites/expectations/<spec>.toml``."""
     if not spec.isidentifier():
         return None
-    path = Path(suites.__file__).parent / "expectations" / f"{spec}.toml"
-    return path if path.is_file() else None
+    folder = Path(suites.__file__).parent / "expectations"
+    major, minor = installed_torch_version()
+    for path in (folder / f"{spec}-{major}.{minor}.toml", folder / f"{spec}.toml"):
+        if path.is_file():
+            return path
+    return None
 
 
 def check_named_implementation(config: pytest.Config) -> None:
@@ -246,7 +254,8 @@ class ConformancePlugin:
         self.spec = selected_spec(config)
         named = config.getoption("expectations")
         path = Path(named) if named else default_expectations_path(self.spec)
-        self.expectations = load(path) if path is not None else Expectations()
+        loaded = load(path) if path is not None else Expectations()
+        self.expectations = loaded.on_device(config.getoption("device") or "cpu")
         # Under torchrun or srun every rank runs the session; rank 0 writes the report.
         rank_0 = prints_the_report(config)
         out = config.getoption("conformance_out") if rank_0 else None
@@ -296,8 +305,10 @@ class ConformancePlugin:
             backend_declaration(self.config)
         if backend is not None and not self.config.getoption("expectations"):
             try:
+                backend_expectations = default_backend_expectations(backend)
                 self.expectations = combine(
-                    self.expectations, default_backend_expectations(backend)
+                    self.expectations,
+                    backend_expectations.on_device(self.config.getoption("device") or "cpu"),
                 )
             except ExpectationsError as exc:
                 raise pytest.UsageError(f"distconform: {exc}") from None

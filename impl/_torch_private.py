@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-AUDITED_TORCH = ((2, 13),)
+AUDITED_TORCH = ((2, 11), (2, 12), (2, 13), (2, 14), (2, 15))
 
 
 class PrivateTorchAccessError(RuntimeError):

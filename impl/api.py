@@ -49,6 +49,7 @@ KNOWN_CAPABILITIES = frozenset(
         "dcp",  # distributed checkpoint state dicts
         "activation_checkpointing",  # composition with activation checkpointing
         "ignored_params",  # fully_shard(ignored_params=...): left unsharded and unsynchronized
+        "reset_iter_state",  # FSDPModule.reset_iter_state() after an exception mid-step
     }
 )
 

@@ -18,9 +18,17 @@ from impl import _torch_private
 from impl.api import KNOWN_CAPABILITIES, Implementation
 
 
+def _installed_capabilities() -> frozenset[str]:
+    """Every capability, less what the installed torch's FSDP2 lacks (torch 2.11 to 2.15)."""
+    absent = set()
+    if not hasattr(fsdp.FSDPModule, "reset_iter_state"):  # added in torch 2.13
+        absent.add("reset_iter_state")
+    return KNOWN_CAPABILITIES - absent
+
+
 class TorchImplementation(Implementation):
     name = "torch"
-    capabilities = KNOWN_CAPABILITIES
+    capabilities = _installed_capabilities()
     MixedPrecisionPolicy = fsdp.MixedPrecisionPolicy
     OffloadPolicy = fsdp.OffloadPolicy
     CPUOffloadPolicy = fsdp.CPUOffloadPolicy

@@ -7,7 +7,7 @@ float64 from then on, and 3 Adam steps match a float64 reference with explicit a
 Casting later, after training started, while groups are unsharded (``raf=False`` and a
 forward without backward) and gradients exist: the gradients are converted too, and the next
 backward accumulates into them. torch 2.13's FSDP2 fixes its all-gather dtypes at lazy init,
-so it fails that case (``suites/expectations/torch.toml``).
+so it fails that case (``suites/expectations/torch-<version>.toml``).
 """
 
 from __future__ import annotations

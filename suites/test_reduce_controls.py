@@ -10,7 +10,7 @@ that a root's factor leaves its children alone.
 
 A divide factor other than the shard size without forced SUM needs a backend that can scale
 inside the reduction (FSDP2 uses ``PREMUL_SUM``); gloo cannot, so that item is expected to
-fail for torch's FSDP2 on gloo (``suites/expectations/torch.toml``).
+fail for torch's FSDP2 on gloo (``suites/expectations/torch-<version>.toml``).
 """
 
 from __future__ import annotations

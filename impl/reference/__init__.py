@@ -48,6 +48,8 @@ class ReferenceImplementation(Implementation):
             "cpu_offload",
             "activation_checkpointing",
             "ignored_params",
+            "reset_iter_state",
+            "post_optim_event",
             # Composition (suites/composition): DCP, TP (DTensor parameters get the
             # data-parallel dims in front) and every pipeline schedule pass (pp: the suite's
             # DataParallelStage drives data parallelism for it; the engine drives only torch's

@@ -103,8 +103,8 @@ class FSDPModule:
         self._fsdp_state().backward_prefetch = [_state_of_managed(m) for m in modules]
 
     def set_post_optim_event(self, event: Any) -> None:
-        # Collectives are issued on the current stream, which already orders them after the
-        # optimizer step; the event is kept only so callers can set it.
+        """The root's next forward waits for ``event`` (recorded after the optimizer step,
+        on any stream) before its first all-gather; later forwards do not (it is used once)."""
         self._fsdp_state().post_optim_event = event
 
     # --- gradient reduction (this module's group only, like FSDP2) -----------------------

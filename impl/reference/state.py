@@ -198,6 +198,7 @@ class FSDPState:
                 self.ctx.iter_forward_root = self
                 if self.is_root:
                     args, kwargs = _move_to_device((args, kwargs), self.device)
+                    self._wait_for_post_optim_event()
             self.modules_to_run_forward = set(self.modules)
         args, kwargs = cast_forward_inputs(self.mp_policy, args, kwargs)
         if self.group is not None:
@@ -224,6 +225,14 @@ class FSDPState:
                     state._finish_forward()
             self.ctx.iter_forward_root = None
         return cast_forward_output(self.mp_policy, output)
+
+    def _wait_for_post_optim_event(self) -> None:
+        # The optimizer may have run on another stream: this forward's all-gathers, issued
+        # on the current stream, must not read parameters it is still writing. Used once,
+        # as FSDP2 clears it: a later forward waiting on a stale event would be a bug.
+        event, self.post_optim_event = self.post_optim_event, None
+        if event is not None:
+            torch.accelerator.current_stream(self.device).wait_event(event)
 
     def _finish_forward(self) -> None:
         if self.group is not None and not self.ctx.in_backward:
