@@ -1,14 +1,16 @@
 """The one audited place where the harness touches private PyTorch names.
 
-Every accessor here exists because torch 2.13 has no public API for what the harness
-needs. Each one checks the installed torch version first and refuses to run on a
-version it was not audited for, with a message that says what to re-audit; a test in
-``tests/harness/test_torch_private.py`` exercises every accessor and the refusal.
+Every accessor here exists because torch has no public API for what the harness needs.
+Each one has an :class:`~harness.torch_window.Audit` in ``AUDITS``: what it reads, and what
+reading each release of the supported window (``harness/torch_window.py``) found. It calls
+:func:`require_audited_torch` first, which refuses a torch outside the window, or a release
+its audit does not cover, with the window named; ``tests/harness/test_torch_private.py``
+exercises every accessor and the refusal.
 
 Nothing else in ``harness/`` may import a private torch module or touch an
 underscore attribute of torch. torch's internal testing package is never imported here:
 only ``harness/adopt/_torch_test_harness.py`` reads it, to run tests written for it
-(``--dist-adopt``), with this module's version check.
+(``--dist-adopt``), with its own audits.
 The private modules are imported inside the accessors, after the version check, so that
 another torch version gets the audit's message instead of an ImportError.
 """
@@ -17,37 +19,48 @@ from __future__ import annotations
 
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
-AUDITED_TORCH = ((2, 13),)
+from harness import torch_window
+from harness.torch_window import (
+    V2_11,
+    V2_12,
+    V2_13,
+    V2_14,
+    V2_15,
+    Audit,
+    PrivateTorchAccessError,
+    Version,
+)
+
+MODULE = "harness/_torch_private.py"
+
+#: One audit per accessor (``file:line`` are in that release's ``torch/`` directory).
+AUDITS: dict[str, Audit] = {}
 
 
-class PrivateTorchAccessError(RuntimeError):
-    """A private torch name is used on a torch version nobody audited it on."""
-
-
-def installed_torch_version() -> tuple[int, int]:
-    major, minor = torch.__version__.split("+")[0].split(".")[:2]
-    return int(major), int(minor)
-
-
-def require_audited_torch(accessor: str, module: str = "harness/_torch_private.py") -> None:
-    """Refuse a private access on a torch version it was not audited for; ``module`` is the
-    audited file that asks (``suites/_torch_private.py`` shares this check)."""
-    version = installed_torch_version()
-    if version not in AUDITED_TORCH:
-        audited = ", ".join(f"{a}.{b}" for a, b in AUDITED_TORCH)
-        raise PrivateTorchAccessError(
-            f"{module}:{accessor} reaches a private torch name audited for "
-            f"torch {audited}, but torch {torch.__version__} is installed. Check that the name "
-            f"still means the same thing in this version, then add it to AUDITED_TORCH."
-        )
+def require_audited_torch(accessor: str) -> None:
+    """Refuse ``accessor`` unless the installed torch is in the window and in its audit."""
+    torch_window.require_audited(AUDITS, accessor, MODULE)
 
 
 # --- process-group bookkeeping (no public API lists the live groups) -----------------
+
+
+AUDITS["live_process_groups"] = Audit(
+    reads="distributed_c10d._world (the module's one _World) and its pg_map property: a dict "
+    "keyed by every live ProcessGroup of this process, the default group included.",
+    versions={
+        V2_11: "same: _World distributed_c10d.py:614-743 identical to 2.13's; pg_map :644",
+        V2_12: "same: _World :629-758 identical; pg_map :659, _world :761",
+        V2_13: "same: pg_map :703, _world :805 (the audited baseline)",
+        V2_14: "same: _World :1222-1353 differs in annotations only; pg_map :1252",
+        V2_15: "same: pg_map :1406, _world :1521 (a 12th property, see the thread world)",
+    },
+)
 
 
 def live_process_groups() -> list[torch.distributed.ProcessGroup]:
@@ -56,6 +69,19 @@ def live_process_groups() -> list[torch.distributed.ProcessGroup]:
     from torch.distributed import distributed_c10d  # after the version check
 
     return list(distributed_c10d._world.pg_map.keys())
+
+
+AUDITS["registered_group_name"] = Audit(
+    reads="distributed_c10d._world.pg_names[group]: the name c10d registered the group under "
+    "(a dict ProcessGroup -> group name).",
+    versions={
+        V2_11: "same: pg_names property :657",
+        V2_12: "same: :672",
+        V2_13: "same: :716 (baseline)",
+        V2_14: "same: :1265",
+        V2_15: "same: :1419",
+    },
+)
 
 
 def registered_group_name(group: torch.distributed.ProcessGroup) -> str:
@@ -71,12 +97,24 @@ def registered_group_name(group: torch.distributed.ProcessGroup) -> str:
     return distributed_c10d._world.pg_names[group]
 
 
+AUDITS["iter_non_default_groups"] = Audit(
+    reads="public dist.group.WORLD, which _WorldMeta.WORLD reads from _world.default_pg, and "
+    "live_process_groups; relies on WORLD being the same object as the default pg_map key.",
+    versions={
+        V2_11: "same: _WorldMeta :750-764 identical to 2.13's",
+        V2_12: "same: :765-779",
+        V2_13: "same (baseline)",
+        V2_14: "same: :1360-1374, a '-> None' annotation added",
+        V2_15: "same: :1525-1539",
+    },
+)
+
+
 def iter_non_default_groups() -> Iterator[torch.distributed.ProcessGroup]:
     """Groups created after init_process_group (subgroups, DeviceMesh dims)."""
+    require_audited_torch("iter_non_default_groups")  # now, not at the first next()
     default = torch.distributed.group.WORLD
-    for group in live_process_groups():
-        if group is not default:
-            yield group
+    return iter([group for group in live_process_groups() if group is not default])
 
 
 # --- thread ranks: a thread-local c10d world and thread-isolation mode (harness/threads) ---
@@ -91,9 +129,9 @@ def iter_non_default_groups() -> Iterator[torch.distributed.ProcessGroup]:
 # bound to a private world, so the main thread (and any non-rank thread) keeps seeing the
 # ordinary process-wide c10d state while it is installed.
 
-# The properties of torch 2.13's ``_World``. If torch adds or removes one, the per-thread
-# world below would silently share (or miss) state: refuse instead.
-_AUDITED_C10D_WORLD_PROPERTIES = frozenset(
+# The properties of c10d's ``_World`` in each audited release. If torch adds or removes one,
+# the per-thread world below would silently share (or miss) state: refuse instead.
+_C10D_WORLD_PROPERTIES_2_11_TO_2_14 = frozenset(
     {
         "default_pg",
         "pg_map",
@@ -108,25 +146,45 @@ _AUDITED_C10D_WORLD_PROPERTIES = frozenset(
         "pg_config_info",
     }
 )
-# Stored per thread; ``pg_config_info`` is derived from them by ``_World`` itself.
-_PER_THREAD_WORLD_FIELDS = tuple(sorted(_AUDITED_C10D_WORLD_PROPERTIES - {"pg_config_info"}))
+_AUDITED_C10D_WORLD_PROPERTIES: dict[Version, frozenset[str]] = {
+    V2_11: _C10D_WORLD_PROPERTIES_2_11_TO_2_14,
+    V2_12: _C10D_WORLD_PROPERTIES_2_11_TO_2_14,
+    V2_13: _C10D_WORLD_PROPERTIES_2_11_TO_2_14,
+    V2_14: _C10D_WORLD_PROPERTIES_2_11_TO_2_14,
+    # torch 2.15 keeps each group's flight-recorder hook handle in the world and pops it on
+    # every destroy, so a rank thread needs its own dict of them.
+    V2_15: _C10D_WORLD_PROPERTIES_2_11_TO_2_14 | {"pg_flight_recorder_hooks"},
+}
+# Computed by ``_World`` itself from the other properties: never stored per thread.
+_DERIVED_WORLD_PROPERTIES = frozenset({"pg_config_info"})
 _WRITABLE_WORLD_FIELDS = ("default_pg", "group_count")
+# The value a fresh ``_World`` starts each stored field with, in every audited release.
+_FRESH_WORLD_FIELDS: dict[str, Callable[[], Any]] = {
+    "default_pg": lambda: None,
+    "pg_map": dict,
+    "pg_names": dict,
+    "pg_group_ranks": dict,
+    "pg_backend_config": dict,
+    "group_count": lambda: 0,
+    "tags_to_pg": dict,
+    "pg_to_tag": dict,
+    "pg_coalesce_state": dict,
+    "comms": list,
+    "pg_flight_recorder_hooks": dict,
+}
+
+
+def _per_thread_world_fields(version: Version) -> tuple[str, ...]:
+    """The ``_World`` properties a rank thread keeps its own value of, on torch ``version``."""
+    return tuple(sorted(_AUDITED_C10D_WORLD_PROPERTIES[version] - _DERIVED_WORLD_PROPERTIES))
 
 
 class _RankC10dState:
     """One rank thread's c10d bookkeeping: the fields a fresh ``_World`` would hold."""
 
-    def __init__(self) -> None:
-        self.default_pg = None
-        self.pg_map: dict = {}
-        self.pg_names: dict = {}
-        self.pg_group_ranks: dict = {}
-        self.pg_backend_config: dict = {}
-        self.group_count = 0
-        self.tags_to_pg: dict = {}
-        self.pg_to_tag: dict = {}
-        self.pg_coalesce_state: dict = {}
-        self.comms: list = []
+    def __init__(self, fields: tuple[str, ...]) -> None:
+        for name in fields:
+            setattr(self, name, _FRESH_WORLD_FIELDS[name]())
 
 
 _thread_world_lock = threading.Lock()
@@ -139,14 +197,17 @@ _autograd_multithreading_before = True
 def _thread_local_world_class() -> type:
     from torch.distributed import distributed_c10d  # after the version check
 
+    version = torch_window.installed_torch_version()
+    audited = _AUDITED_C10D_WORLD_PROPERTIES[version]
     base = distributed_c10d._World
     found = {name for name, value in vars(base).items() if isinstance(value, property)}
-    if found != _AUDITED_C10D_WORLD_PROPERTIES:
+    if found != audited:
         raise PrivateTorchAccessError(
-            "harness/_torch_private.py:install_thread_local_c10d_world: torch's c10d _World "
-            f"now has properties {sorted(found)}, audited were "
-            f"{sorted(_AUDITED_C10D_WORLD_PROPERTIES)}; re-audit the per-thread world."
+            f"{MODULE}:install_thread_local_c10d_world: torch {torch.__version__}'s c10d _World "
+            f"has properties {sorted(found)}, audited for torch {version[0]}.{version[1]} were "
+            f"{sorted(audited)}; re-audit the per-thread world."
         )
+    fields = _per_thread_world_fields(version)
 
     def field(name: str) -> property:
         def get(self: Any) -> Any:
@@ -165,9 +226,32 @@ def _thread_local_world_class() -> type:
     def target(self: Any) -> Any:
         return getattr(self._local, "state", None) or self._fallback
 
-    namespace: dict = {"__init__": init, "_target": target}
-    namespace.update({name: field(name) for name in _PER_THREAD_WORLD_FIELDS})
+    namespace: dict = {"__init__": init, "_target": target, "_per_thread_fields": fields}
+    namespace.update({name: field(name) for name in fields})
     return type("_ThreadLocalC10dWorld", (base,), namespace)
+
+
+_THREAD_WORLD_READS = (
+    "distributed_c10d._World (subclassed; its property set must be the audited one and its "
+    "__init__ is not called) and _world (replaced); relies on torch reaching world state only "
+    "through those properties, only default_pg and group_count being settable"
+)
+
+AUDITS["install_thread_local_c10d_world"] = Audit(
+    reads=_THREAD_WORLD_READS + "; also _set_thread_isolation_mode(bool) and "
+    "_register_process_group(name, group), C++ bindings, and _world.pg_names.",
+    versions={
+        V2_11: "same: _World and its 11 properties identical to 2.13's, setters :639/:696, "
+        "no _world._x access in torch/; both bindings in the binary (_distributed_c10d.pyi:750)",
+        V2_12: "same: _World identical; imports distributed_c10d.py:27/:30; isolation used by "
+        "testing/_internal/common_distributed.py:1333",
+        V2_13: "same: 11 properties, setters default_pg and group_count (baseline)",
+        V2_14: "same: the 11 properties differ in annotations only; setters :1247/:1306",
+        V2_15: "differs: a 12th property pg_flight_recorder_hooks (:1480), read and popped on "
+        "every destroy (:3290, :3333); the thread world keeps a per-thread dict of it, as "
+        "torch's own multi_threaded_pg.py:649 does",
+    },
+)
 
 
 def install_thread_local_c10d_world() -> None:
@@ -192,6 +276,19 @@ def install_thread_local_c10d_world() -> None:
             _autograd_multithreading_before = torch.autograd.is_multithreading_enabled()
             torch.autograd.set_multithreading_enabled(False)
         _thread_world_installs += 1
+
+
+AUDITS["uninstall_thread_local_c10d_world"] = Audit(
+    reads="distributed_c10d._world (restored), _set_thread_isolation_mode(False) and "
+    "_unregister_process_group(name), a C++ binding re-exported by distributed_c10d.",
+    versions={
+        V2_11: "same: import distributed_c10d.py:30, stub _distributed_c10d.pyi:762",
+        V2_12: "same: import :30",
+        V2_13: "same: import :30 (baseline)",
+        V2_14: "same: import :43",
+        V2_15: "same: import :41",
+    },
+)
 
 
 def uninstall_thread_local_c10d_world() -> None:
@@ -250,11 +347,32 @@ def _drop_mirrored_groups() -> None:
     _mirrored = None
 
 
+_THREAD_BINDING_VERSIONS = {
+    V2_11: "same: only the identity of distributed_c10d._world is read",
+    V2_12: "same",
+    V2_13: "same (baseline)",
+    V2_14: "same",
+    V2_15: "same; a fresh rank state also holds pg_flight_recorder_hooks (see install)",
+}
+
+AUDITS["thread_local_c10d_world_installed"] = Audit(
+    reads="the identity of distributed_c10d._world (is it the installed thread world?).",
+    versions=_THREAD_BINDING_VERSIONS,
+)
+
+
 def thread_local_c10d_world_installed() -> bool:
     require_audited_torch("thread_local_c10d_world_installed")
     from torch.distributed import distributed_c10d  # after the version check
 
     return _thread_world_installs > 0 and distributed_c10d._world is _installed_thread_world
+
+
+AUDITS["bind_thread_to_fresh_c10d_world"] = Audit(
+    reads="no torch name itself: it gives the calling thread a fresh copy of the per-thread "
+    "_World fields the installed torch's audit lists.",
+    versions=_THREAD_BINDING_VERSIONS,
+)
 
 
 def bind_thread_to_fresh_c10d_world() -> None:
@@ -263,7 +381,13 @@ def bind_thread_to_fresh_c10d_world() -> None:
     world = _installed_thread_world
     if world is None:
         raise RuntimeError("bind_thread_to_fresh_c10d_world needs install_thread_local_c10d_world")
-    world._local.state = _RankC10dState()  # type: ignore[attr-defined]
+    world._local.state = _RankC10dState(world._per_thread_fields)  # type: ignore[attr-defined]
+
+
+AUDITS["unbind_thread_c10d_world"] = Audit(
+    reads="no torch name itself: the calling thread sees the process-wide _World again.",
+    versions=_THREAD_BINDING_VERSIONS,
+)
 
 
 def unbind_thread_c10d_world() -> None:
@@ -275,6 +399,20 @@ def unbind_thread_c10d_world() -> None:
 
 
 # --- torch._dynamo, imported by DTensor's first call (harness/process/zygote.py) ----------------
+
+
+AUDITS["import_dynamo"] = Audit(
+    reads="import torch._dynamo; relies on DTensor's constructor being wrapped by "
+    "torch._disable_dynamo, which imports torch._dynamo lazily at its first call.",
+    versions={
+        V2_11: "same: _compile.py:17-60 identical to 2.13's; @torch._disable_dynamo on "
+        "DTensor.__init__ at distributed/tensor/_api.py:316",
+        V2_12: "same: _compile.py identical; _api.py:337",
+        V2_13: "same: _compile.py:47 imports lazily; _api.py:337 (baseline)",
+        V2_14: "same: _api.py:403",
+        V2_15: "same: _api.py:403",
+    },
+)
 
 
 def import_dynamo() -> None:
@@ -300,6 +438,25 @@ def import_dynamo() -> None:
 # process group registered under the name 3"). The cache that does this is the C++ fast
 # path's, and it is per thread: it must be cleared on the thread that ran the test, and on
 # the autograd engine's device threads, which run backward for accelerator tensors.
+
+
+AUDITS["forget_dtensor_caches"] = Audit(
+    reads="the C++ _clear_DTensor_sharding_propagator_cache(), DTensor._op_dispatcher"
+    ".sharding_propagator's propagate_op_sharding and _propagate_tensor_meta_cached lru "
+    "caches, _redistribute._gen_transform_infos and clear_redistribute_planner_cache(), "
+    "_collective_utils.MeshTopoInfo.build_from_mesh's cache; relies on these being every "
+    "cache that can hold a mesh.",
+    versions={
+        V2_11: "same: _api.py:296, _dispatch.py:139, _sharding_prop.py:108-135/:370 and "
+        "_redistribute.py:1435/:625 identical to 2.13's; binding in _C/__init__.pyi:12179",
+        V2_12: "same: _sharding_prop.py:174/387/551, _redistribute.py:1488/653, "
+        "_collective_utils.py:298; binding used by tensor/debug/__init__.py:47",
+        V2_13: "same: the cache set found by grep of distributed/tensor (baseline)",
+        V2_14: "same: _sharding_prop.py:172/385/579, _collective_utils.py:346; "
+        "_gen_transform_infos :1575 rewrapped only",
+        V2_15: "same as 2.14: _collective_utils.py:334; the grep finds the same cache set",
+    },
+)
 
 
 def forget_dtensor_caches(device_type: str = "cpu") -> bool:
@@ -347,6 +504,19 @@ def _clear_fast_path_cache_on_device_thread(device_type: str) -> None:
     _ClearFastPathCacheInBackward.apply(leaf).sum().backward()
 
 
+AUDITS["dtensor_fast_path_cache_stats"] = Audit(
+    reads="the C++ _get_DTensor_sharding_propagator_cache_stats(): (hits, misses) of the "
+    "calling thread's DTensor fast-path sharding cache.",
+    versions={
+        V2_11: "same: _C/__init__.pyi:12178 returns tuple[int, int]",
+        V2_12: "same: used by distributed/tensor/debug/__init__.py:29",
+        V2_13: "same: debug/__init__.py:29 (baseline)",
+        V2_14: "same: debug/__init__.py:29",
+        V2_15: "same: debug/__init__.py:29",
+    },
+)
+
+
 def dtensor_fast_path_cache_stats() -> tuple[int, int]:
     """(hits, misses) of the calling thread's DTensor fast-path sharding cache (for tests)."""
     require_audited_torch("dtensor_fast_path_cache_stats")
@@ -363,12 +533,42 @@ def dtensor_fast_path_cache_stats() -> tuple[int, int]:
 # at the dispatcher, by a ``TorchDispatchMode``: torch keeps that class in a private module.
 
 
+AUDITS["torch_dispatch_mode_class"] = Audit(
+    reads="torch.utils._python_dispatch.TorchDispatchMode, subclassed with __torch_dispatch__"
+    "(func, types, args, kwargs) and supports_higher_order_operators = True.",
+    versions={
+        V2_11: "same: class body _python_dispatch.py:70-265 identical to 2.13's; the flag is "
+        "read at _ops.py:418",
+        V2_12: "same: :70-265",
+        V2_13: "same: class at _python_dispatch.py:72; flag read at _ops.py:428 (baseline)",
+        V2_14: "same: :72-267; flag read at _ops.py:433",
+        V2_15: "same: :72-267; still no public import path",
+    },
+)
+
+
 def torch_dispatch_mode_class() -> type:
-    """torch's ``TorchDispatchMode`` base class (no public import path in 2.13)."""
+    """torch's ``TorchDispatchMode`` base class (no public import path in torch 2.11 to 2.15)."""
     require_audited_torch("torch_dispatch_mode_class")
     from torch.utils._python_dispatch import TorchDispatchMode  # after the version check
 
     return TorchDispatchMode
+
+
+AUDITS["functional_collective_packets"] = Audit(
+    reads="torch.ops._c10d_functional, _c10d_functional_autograd and c10d_functional "
+    "namespaces and their instance __dict__, where _OpNamespace.__getattr__ caches packets; "
+    "relies on callers looking the packet up on every call.",
+    versions={
+        V2_11: "differs, benign: isend/irecv are not registered, so they are skipped (20 "
+        "packets, not 22) and 2.11 has no funcol API that issues them; group_name is typed str",
+        V2_12: "same op set as 2.13: _functional_collectives_impl.py:121/125 call isend/irecv",
+        V2_13: "same: _OpNamespace.__getattr__ (_ops.py:1377) caches in __dict__ (baseline)",
+        V2_14: "same: op names as 2.13; _ops.py:1448-1482 identical",
+        V2_15: "same names; funcol may now pass a ReduceOp as reduce_op "
+        "(_functional_collectives.py:684), which records.reduce_op_name already maps",
+    },
+)
 
 
 def functional_collective_packets(
@@ -392,3 +592,30 @@ def functional_collective_packets(
                     continue  # not registered in this namespace
             found.append((namespace, name, packet))
     return found
+
+
+# --- device plug-ins (harness/devices) ---------------------------------------------------------
+
+
+AUDITS["register_device_module"] = Audit(
+    reads="torch._register_device_module(device_type, module): makes `module` torch's runtime "
+    "module of a device type (torch.<type>, sys.modules['torch.<type>']), which "
+    "torch.get_device_module, torch.accelerator and FSDP2's device handle look up; raises if "
+    "one is registered already.",
+    versions={
+        V2_11: "same: torch/__init__.py:2767, the body identical to 2.13's",
+        V2_12: "same: torch/__init__.py:2801, identical",
+        V2_13: "same: torch/__init__.py:2848 (baseline)",
+        V2_14: "same: torch/__init__.py:3292, type annotations added only",
+        V2_15: "same: torch/__init__.py:3347, type annotations added only",
+    },
+)
+
+
+def register_device_module(device_type: str, module: Any) -> None:
+    """Register ``module`` as ``torch.<device_type>`` (a PrivateUse1 device's Python side);
+    no public API does this, and a device that lacks it is unusable by FSDP2 and DeviceMesh."""
+    require_audited_torch("register_device_module")
+    if getattr(torch, device_type, None) is module:
+        return  # this process registered it already
+    torch._register_device_module(device_type, module)

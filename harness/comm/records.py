@@ -273,6 +273,8 @@ _MACHINERY_DIRS = (
     _TORCH_DIR,
     os.path.join(_HARNESS_DIR, "comm") + os.sep,
     os.path.join(_HARNESS_DIR, "threads") + os.sep,
+    # The collectives under the installed torch's names: the caller's line is the site.
+    os.path.join(_HARNESS_DIR, "torch_api.py"),
     # ``with`` blocks and ``@contextmanager`` helpers around a call are not its site.
     contextlib.__file__,
 )

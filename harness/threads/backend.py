@@ -12,7 +12,10 @@ like any real backend, whose c10d ops are opaque to autograd.
 
 Operation names follow torch 2.13's c10d: ``all_gather_single`` / ``reduce_scatter_single``
 / ``all_to_all_single`` and their ``_coalesced`` forms are what ``dist.*`` and the
-functional collectives (DTensor) call; the older names are kept as aliases.
+functional collectives (DTensor) call. torch 2.11 and 2.12 call the older names
+(``_allgather_base``, ``allgather_into_tensor_coalesced``, ``_reduce_scatter_base``,
+``reduce_scatter_tensor_coalesced``, ``alltoall_base``: from Python in ``distributed_c10d``, and
+from C++ for the functional collectives), so each is an alias of its 2.13 method.
 """
 
 from __future__ import annotations
@@ -342,6 +345,8 @@ class ThreadedProcessGroup(dist.ProcessGroup):
 
         pairs = list(zip(outputs, inputs, strict=True))
         return self._meet(_op_name, (op, len(pairs)), pairs, execute, inputs, outputs, outputs)
+
+    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
 
     # --- gathers ---------------------------------------------------------------------------
 

@@ -1,8 +1,11 @@
-"""The audited module's accessors, in this process: what they answer on the pinned torch,
-and that each refuses another torch version with the message that says what to re-audit."""
+"""The audited module's accessors, in this process: what they answer on the installed torch,
+that each has an audit of every release of the window, and that each refuses a torch outside the
+window (or a release its audit lacks) with the message that says what to do."""
 
 from __future__ import annotations
 
+import inspect
+import sys
 import unittest
 
 import pytest
@@ -19,8 +22,16 @@ from torch.testing._internal.distributed._tensor.common_dtensor import (
     LocalDTensorTestBase,
 )
 
-from harness._torch_private import PrivateTorchAccessError
 from harness.adopt import _torch_test_harness as torch_harness
+from harness.torch_window import (
+    SUPPORTED_TORCH,
+    V2_15,
+    Audit,
+    PrivateTorchAccessError,
+    installed_torch_version,
+)
+
+MODULE = "harness/adopt/_torch_test_harness.py"
 
 
 class _Process(MultiProcessTestCase):
@@ -29,7 +40,7 @@ class _Process(MultiProcessTestCase):
         return 3
 
     def test_x(self):
-        raise SystemExit(TEST_SKIPS["multi-gpu-2"].exit_code)
+        raise SystemExit(77)  # TEST_SKIPS' code for "fewer than 2 devices" in every release
 
 
 def test_families_of_the_base_classes():
@@ -45,6 +56,12 @@ def test_families_of_the_base_classes():
     assert torch_harness.is_dtensor_test(DTensorTestBase)
 
 
+def _too_few_devices_message(count: int) -> str:
+    """torch's own text: the key and the wording changed in torch 2.15."""
+    key = f"multi-device-{count}" if installed_torch_version() >= V2_15 else f"multi-gpu-{count}"
+    return TEST_SKIPS[key].message
+
+
 def test_fsdp_tests_skip_before_the_method_without_enough_accelerators():
     class _Fsdp(FSDPTest):
         @property
@@ -54,7 +71,7 @@ def test_fsdp_tests_skip_before_the_method_without_enough_accelerators():
     if torch.accelerator.device_count() >= 2:
         pytest.skip("this machine has the accelerators FSDPTest asks for")
     reason = torch_harness.own_precondition_skip(_Fsdp, 2)
-    assert reason == "Need at least 2 CUDA devices (FSDPTest's own check before the method runs)"
+    assert reason == f"{_too_few_devices_message(2)} (FSDPTest's own check before the method runs)"
     assert torch_harness.own_precondition_skip(_Process, 2) is None  # not an FSDPTest
 
 
@@ -62,29 +79,83 @@ def test_world_size_instance_and_skip_exit_codes():
     assert torch_harness.declared_world_size(_Process, "test_x") == 3
     instance = torch_harness.build_instance(_Process, "test_x", rank=1, file_name="/tmp/x")
     assert (instance.rank, instance.file_name) == (1, "/tmp/x")
-    with pytest.raises(unittest.SkipTest, match=r"Need at least 2 CUDA devices \(exit code 77\)"):
+    with pytest.raises(unittest.SkipTest) as skipped:
         torch_harness.call_test_method(instance, "test_x")
+    assert str(skipped.value) == f"{_too_few_devices_message(2)} (exit code 77)"
     assert torch_harness.skip_reason(1) is None
 
 
-@pytest.mark.parametrize(
-    "accessor, args",
-    [
-        ("family_of", (_Process,)),
-        ("is_fsdp_test", (_Process,)),
-        ("is_dtensor_test", (_Process,)),
-        ("declared_world_size", (_Process, "test_x")),
-        ("own_precondition_skip", (_Process, 2)),
-        ("build_instance", (_Process, "test_x", 0, "/tmp/x")),
-        ("seed_like_torch", ()),
-        ("skip_reason", (77,)),
-        ("run_per_thread_hooks", (None, None)),
-    ],
-)
-@pytest.mark.parametrize("version", ["2.14.0", "2.12.1+cpu"])
-def test_every_accessor_refuses_an_unaudited_torch(monkeypatch, accessor, args, version):
+def test_the_skip_key_is_chosen_for_every_release():
+    assert set(torch_harness._TOO_FEW_DEVICES_SKIP) == set(SUPPORTED_TORCH)
+
+
+def test_on_torch_2_15_the_skip_is_read_under_its_new_key(monkeypatch):
+    """torch 2.15 renamed ``multi-gpu-N`` to ``multi-device-N`` (same exit codes)."""
+
+    class _Fsdp(FSDPTest):
+        pass
+
+    test_skip = type(next(iter(TEST_SKIPS.values())))  # (exit_code, message)
+    common = type(
+        "common_distributed_2_15",
+        (),
+        {"TEST_SKIPS": {"multi-device-3": test_skip(80, "2.15 text")}},
+    )
+    monkeypatch.setattr(torch, "__version__", "2.15.0")
+    monkeypatch.setitem(sys.modules, torch_harness._COMMON_DISTRIBUTED, common)
+    monkeypatch.setattr(torch.accelerator, "device_count", lambda: 0)
+    assert torch_harness.own_precondition_skip(_Fsdp, 3) == (
+        "2.15 text (FSDPTest's own check before the method runs)"
+    )
+
+
+#: A call of each accessor; every one must be refused before it touches anything.
+CALLS = {
+    "family_of": (_Process,),
+    "is_fsdp_test": (_Process,),
+    "is_dtensor_test": (_Process,),
+    "declared_world_size": (_Process, "test_x"),
+    "own_precondition_skip": (_Process, 2),
+    "build_instance": (_Process, "test_x", 0, "/tmp/x"),
+    "seed_like_torch": (),
+    "skip_reason": (77,),
+    "call_test_method": (None, "test_x"),
+    "run_per_thread_hooks": (None, None),
+}
+
+
+def test_every_accessor_has_an_audit_of_every_release():
+    functions = {
+        name
+        for name, function in inspect.getmembers(torch_harness, inspect.isfunction)
+        if function.__module__ == torch_harness.__name__
+        and not name.startswith("_")
+        and name != "require_audited_torch"
+    }
+    assert set(torch_harness.AUDITS) == functions == set(CALLS)
+    for accessor, audit in torch_harness.AUDITS.items():
+        assert audit.reads.strip(), accessor
+        assert set(audit.versions) == set(SUPPORTED_TORCH), accessor
+        assert all(finding.strip() for finding in audit.versions.values()), accessor
+
+
+@pytest.mark.parametrize("accessor", sorted(CALLS))
+@pytest.mark.parametrize("version", ["2.10.0", "2.16.0", "3.0.0a0"])
+def test_every_accessor_refuses_a_torch_outside_the_window(monkeypatch, accessor, version):
     monkeypatch.setattr(torch, "__version__", version)
     with pytest.raises(PrivateTorchAccessError) as excinfo:
-        getattr(torch_harness, accessor)(*args)
+        getattr(torch_harness, accessor)(*CALLS[accessor])
     message = str(excinfo.value)
-    assert f"harness/adopt/_torch_test_harness.py:{accessor}" in message and version in message
+    assert f"{MODULE}:{accessor}" in message and version in message
+    assert "torch 2.11 to 2.15" in message
+
+
+@pytest.mark.parametrize("accessor", sorted(CALLS))
+def test_an_accessor_whose_audit_lacks_the_installed_release_is_refused(monkeypatch, accessor):
+    audit = torch_harness.AUDITS[accessor]
+    installed = installed_torch_version()
+    without = {version: text for version, text in audit.versions.items() if version != installed}
+    monkeypatch.setitem(torch_harness.AUDITS, accessor, Audit(audit.reads, without))
+    with pytest.raises(PrivateTorchAccessError) as excinfo:
+        getattr(torch_harness, accessor)(*CALLS[accessor])
+    assert f"{MODULE}:{accessor} is audited for" in str(excinfo.value)

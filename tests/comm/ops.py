@@ -28,17 +28,20 @@ def issue_each_op(world_size: int, rank: int, mesh) -> None:
     DTensor.from_local(local, mesh, [Shard(0)], run_check=False).full_tensor()
 
 
+ALL_GATHER = torch_api.ALL_GATHER_SINGLE  # torch.distributed's name in the installed torch
+
+
 def expected_records(world_size: int, rank: int) -> list[tuple]:
     """(kind, api, shapes, dtypes, numel, nbytes, out_nbytes, wire_bytes) per call, in order."""
     ws = world_size
     part = (ws - 1) / ws
     rows = [
         ("all_reduce", "dist.all_reduce", ((6,),), ("f32",), 6, 24, 24, int(2 * 24 * part)),
-        ("all_gather", "dist.all_gather_single", ((3,),), ("f32",), 3, 12, 12 * ws, 12 * (ws - 1)),
+        ("all_gather", f"dist.{ALL_GATHER}", ((3,),), ("f32",), 3, 12, 12 * ws, 12 * (ws - 1)),
         ("all_gather", "dist.all_gather", ((5,),), ("f32",), 5, 20, 20 * ws, 20 * (ws - 1)),
         (
             "reduce_scatter",
-            "dist.reduce_scatter_single",
+            f"dist.{torch_api.REDUCE_SCATTER_SINGLE}",
             ((2 * ws,),),
             ("f32",),
             2 * ws,

@@ -63,7 +63,7 @@ def test_bad_specs_fail_clearly(spec, error, message):
 def test_supports_rejects_unknown_capability_names():
     impl = load_implementation("reference")
     assert impl.supports("replicate")
-    assert not impl.supports("post_optim_event")
+    assert not impl.supports("share_comm_ctx")
     with pytest.raises(ValueError, match="unknown capability"):
         impl.supports("replicat")
 

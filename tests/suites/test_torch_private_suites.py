@@ -1,25 +1,71 @@
-"""``suites/_torch_private.py``: each accessor refuses an unaudited torch, naming this file, and
-on the audited one gives what the backend suite relies on."""
+"""``suites/_torch_private.py``: each accessor has an audit of every release of the window,
+refuses a torch outside it (or a release its audit lacks) naming this file, and on the installed
+torch gives what the backend suite relies on."""
 
 from __future__ import annotations
+
+import inspect
+import warnings
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from harness._torch_private import PrivateTorchAccessError
+from harness.torch_window import (
+    SUPPORTED_TORCH,
+    V2_13,
+    Audit,
+    PrivateTorchAccessError,
+    installed_torch_version,
+)
 from suites import _torch_private
 
-
-@pytest.mark.parametrize(
-    ("accessor", "args"), [("premul_sum", (0.5,)), ("functional_collectives", ())]
+MODULE = "suites/_torch_private.py"
+CALLS = {"premul_sum": (0.5,), "functional_collectives": ()}
+SUITE_CALLS = (
+    "all_reduce",
+    "all_gather_single",
+    "reduce_scatter_single",
+    "all_to_all_single",
+    "wait_tensor",
 )
-def test_accessors_refuse_an_unaudited_torch(monkeypatch, accessor, args):
-    monkeypatch.setattr(torch, "__version__", "2.14.0")
+
+
+def test_every_accessor_has_an_audit_of_every_release():
+    functions = {
+        name
+        for name, function in inspect.getmembers(_torch_private, inspect.isfunction)
+        if function.__module__ == _torch_private.__name__
+        and not name.startswith("_")
+        and name != "require_audited_torch"
+    }
+    assert set(_torch_private.AUDITS) == functions == set(CALLS)
+    for accessor, audit in _torch_private.AUDITS.items():
+        assert audit.reads.strip(), accessor
+        assert set(audit.versions) == set(SUPPORTED_TORCH), accessor
+        assert all(finding.strip() for finding in audit.versions.values()), accessor
+
+
+@pytest.mark.parametrize("accessor", sorted(CALLS))
+@pytest.mark.parametrize("version", ["2.10.0", "2.16.0", "3.0.0a0"])
+def test_accessors_refuse_a_torch_outside_the_window(monkeypatch, accessor, version):
+    monkeypatch.setattr(torch, "__version__", version)
     with pytest.raises(PrivateTorchAccessError) as raised:
-        getattr(_torch_private, accessor)(*args)
-    assert f"suites/_torch_private.py:{accessor}" in str(raised.value)
-    assert "2.14.0" in str(raised.value)
+        getattr(_torch_private, accessor)(*CALLS[accessor])
+    message = str(raised.value)
+    assert f"{MODULE}:{accessor}" in message and version in message
+    assert "torch 2.11 to 2.15" in message
+
+
+@pytest.mark.parametrize("accessor", sorted(CALLS))
+def test_an_accessor_whose_audit_lacks_the_installed_release_is_refused(monkeypatch, accessor):
+    audit = _torch_private.AUDITS[accessor]
+    installed = installed_torch_version()
+    without = {version: text for version, text in audit.versions.items() if version != installed}
+    monkeypatch.setitem(_torch_private.AUDITS, accessor, Audit(audit.reads, without))
+    with pytest.raises(PrivateTorchAccessError) as raised:
+        getattr(_torch_private, accessor)(*CALLS[accessor])
+    assert f"{MODULE}:{accessor} is audited for" in str(raised.value)
 
 
 def test_premul_sum_is_the_premul_sum_reduce_op():
@@ -28,5 +74,39 @@ def test_premul_sum_is_the_premul_sum_reduce_op():
 
 def test_functional_collectives_offer_what_the_suite_calls():
     funcol = _torch_private.functional_collectives()
-    for name in ("all_reduce", "all_gather_single", "reduce_scatter_single", "wait_tensor"):
+    for name in SUITE_CALLS:
         assert callable(getattr(funcol, name)), name
+
+
+def test_the_funcol_names_are_chosen_for_every_release():
+    assert set(_torch_private._FUNCOL_SINGLE_NAMES) == set(SUPPORTED_TORCH)
+
+
+def test_functional_collectives_are_the_installed_releases_own_names():
+    """2.11 and 2.12 have only ``all_gather_tensor``/``reduce_scatter_tensor``; from 2.13 on
+    those warn, so the ``*_single`` names must be the ones returned there."""
+    import torch.distributed._functional_collectives as module
+
+    funcol = _torch_private.functional_collectives()
+    if installed_torch_version() >= V2_13:
+        assert funcol.all_gather_single is module.all_gather_single
+        assert funcol.reduce_scatter_single is module.reduce_scatter_single
+    else:
+        assert funcol.all_gather_single is module.all_gather_tensor
+        assert funcol.reduce_scatter_single is module.reduce_scatter_tensor
+    for name in ("all_reduce", "all_to_all_single", "wait_tensor"):
+        assert getattr(funcol, name) is getattr(module, name)
+
+
+@pytest.mark.world_size(2)
+def test_functional_collectives_move_the_data_without_a_warning(rank_ctx):
+    funcol = _torch_private.functional_collectives()
+    rank, group = rank_ctx.rank, rank_ctx.group
+    mine = torch.arange(4.0, device=rank_ctx.device) + 10 * rank
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        gathered = funcol.wait_tensor(funcol.all_gather_single(mine.clone(), 0, group))
+        scattered = funcol.wait_tensor(funcol.reduce_scatter_single(mine.clone(), "sum", 0, group))
+    both = [torch.arange(4.0) + 10 * peer for peer in range(2)]
+    torch.testing.assert_close(gathered.cpu(), torch.cat(both))
+    torch.testing.assert_close(scattered.cpu(), sum(both)[2 * rank : 2 * rank + 2])
