@@ -57,8 +57,8 @@ def launch(
             "launch() starts its own ranks; with torchrun, run pytest in every rank with "
             "--launcher external instead"
         )
+    backend_plugins.activate((), backend, device)  # a bundled device or backend registers itself
     device_type = check_device_type(device)
-    backend_plugins.activate((), backend)  # a bundled backend (staged_gloo) registers itself
     backend = resolve_backend(launcher, backend, device_type)
     available = device_count(device_type)
     if share_devices and available:

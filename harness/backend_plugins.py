@@ -47,19 +47,28 @@ def import_plugins(modules: Iterable[str]) -> list[str]:
     return names
 
 
-#: Backends the harness bundles: ``--backend NAME`` imports the module, no plug-in flag needed.
+#: Backends and devices the harness bundles: ``--backend NAME`` or ``--device NAME`` imports
+#: the module, no plug-in flag needed. A device comes first: its module registers its backend.
 BUNDLED_BACKENDS = {"staged_gloo": "harness.backends.staged_gloo"}
+BUNDLED_DEVICES = {"fakeaccel": "harness.devices.fakeaccel"}
 
 
-def activate(modules: Iterable[str], backend: str | None = None) -> list[str]:
+def activate(
+    modules: Iterable[str], backend: str | None = None, device: str | None = None
+) -> list[str]:
     """Import the plug-ins here and publish them to every rank started from now on.
 
-    ``backend`` is the ``--backend`` of the run: a bundled backend's module is added.
+    ``backend`` and ``device`` are the run's ``--backend`` and ``--device``: a bundled
+    one's module is added.
     """
-    wanted = list(modules)
-    bundled = BUNDLED_BACKENDS.get((backend or "").lower())
-    if bundled is not None and bundled not in wanted:
-        wanted.append(bundled)
+    wanted = []
+    for bundled in (
+        BUNDLED_DEVICES.get((device or "").split(":")[0].lower()),
+        BUNDLED_BACKENDS.get((backend or "").lower()),
+    ):
+        if bundled is not None:
+            wanted.append(bundled)
+    wanted += [module for module in modules if module not in wanted]
     names = import_plugins(wanted)
     if names:
         os.environ[ENV_VAR] = ",".join(names)

@@ -32,6 +32,20 @@ VISIBILITY_ENV = {
     "xpu": "ZE_AFFINITY_MASK",
     "hpu": "HABANA_VISIBLE_MODULES",
 }
+
+
+def declare_visibility_variable(device_type: str, variable: str) -> None:
+    """Name the variable that narrows a device type's visible devices (a device plug-in
+    calls this: ``ASCEND_RT_VISIBLE_DEVICES`` for ``npu``, ``FAKEACCEL_VISIBLE_DEVICES``...),
+    so that leases of that device type set it as they set ``CUDA_VISIBLE_DEVICES``."""
+    known = VISIBILITY_ENV.get(device_type)
+    if known is not None and known != variable:
+        raise ValueError(
+            f"the visible devices of {device_type} are already narrowed by {known}, not {variable}"
+        )
+    VISIBILITY_ENV[device_type] = variable
+
+
 _POLL_S = 0.05
 
 

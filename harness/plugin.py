@@ -221,7 +221,11 @@ def pytest_configure(config: pytest.Config) -> None:
         # never declared it must not fail on our account.
         config.addinivalue_line("markers", _SLOW_MARKER)
     try:
-        backend_plugins.activate(config.getoption("backend_plugin"), config.getoption("backend"))
+        backend_plugins.activate(
+            config.getoption("backend_plugin"),
+            config.getoption("backend"),
+            config.getoption("device"),
+        )
     except backend_plugins.BackendPluginError as exc:
         raise pytest.UsageError(f"distconform: {exc}") from None
     pytest_run.prestart_if_expected(config)  # before _settings_from imports torch

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import shutil
 import subprocess
@@ -76,10 +77,14 @@ def describe(device_type: str) -> dict[str, Any]:
                 )
             ]
         )
+    elif device_type == "cpu":  # the check's own dry run: the host is the one device
+        facts["devices"] = [
+            {"name": platform.processor() or platform.machine(), "cores": os.cpu_count()}
+        ]
     else:
         facts["devices"] = _guarded(
             lambda: [
-                {"memory": torch.accelerator.get_memory_info(i)}
+                {"name": f"{device_type}:{i}", "memory": torch.accelerator.get_memory_info(i)}
                 for i in range(torch.accelerator.device_count())
             ]
         )

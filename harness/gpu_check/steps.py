@@ -416,7 +416,7 @@ def build_steps(plan: Plan, out: Path) -> list[Step]:
         Step(
             "conformance-reference-shared",
             f"conformance --quick, reference, ws {shared_sizes} on shared devices",
-            110,
+            100,
             conformance(
                 "conformance-reference-shared", "reference", *shared, "--world-sizes", shared_sizes
             ),
@@ -426,7 +426,7 @@ def build_steps(plan: Plan, out: Path) -> list[Step]:
         Step(
             "conformance-torch-shared",
             f"conformance --quick, torch's FSDP2, ws {shared_sizes} on shared devices",
-            110,
+            100,
             conformance(
                 "conformance-torch-shared", "torch", *shared, "--world-sizes", shared_sizes
             ),
@@ -472,7 +472,7 @@ def build_steps(plan: Plan, out: Path) -> list[Step]:
         Step(
             "failure-and-hang",
             "a failing and a hanging test on the device, then a passing one",
-            60,
+            55,
             pytest_args("failure-and-hang", FAULT_TESTS, *native, "--dist-peer-grace", "2"),
             judge_faults,
             wave=9,

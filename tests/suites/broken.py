@@ -114,6 +114,19 @@ def _reverse_backward_prefetch(module: nn.Module) -> None:
     module.set_modules_to_backward_prefetch = lambda modules: original(list(modules)[::-1])
 
 
+def _keep_first_post_optim_event(module: nn.Module) -> None:
+    # Every later step hands the root the first step's event again: a stale wait.
+    original = module.set_post_optim_event
+    first: list[Any] = []
+
+    def set_post_optim_event(event: Any) -> None:
+        if not first:
+            first.append(event)
+        original(first[0])
+
+    module.set_post_optim_event = set_post_optim_event
+
+
 def _blocking_async_unshard(module: nn.Module) -> None:
     original = module.unshard
 
@@ -167,6 +180,8 @@ _MODULE: dict[str, Callable[[nn.Module], None]] = {
     "reverse_backward_prefetch": _reverse_backward_prefetch,
     "no_implicit_prefetch": lambda m: m.set_modules_to_backward_prefetch([m]),
     "blocking_async_unshard": _blocking_async_unshard,
+    "ignore_post_optim_event": lambda m: setattr(m, "set_post_optim_event", _noop),
+    "stale_post_optim_event": _keep_first_post_optim_event,
 }
 
 BREAKAGES = (*_MODULE, *_KWARGS, "forward_method_once")

@@ -5,7 +5,8 @@ Each row runs one suite item in a child ``python -m pytest`` with
 ``--impl tests.suites.broken:<adapter>`` and requires it to fail with the expected
 complaint (so a failure for an unrelated reason does not count). Adapters wrap torch's
 ``fully_shard`` (``*_torch``) where the bug would realistically sit in it, or the
-reference. ``test_post_optim_event`` needs device events and has no row on CPU.
+reference. ``test_post_optim_event`` needs device events: its rows run on the fake
+accelerator (``--device fakeaccel``), whose record of event waits the case reads.
 """
 
 from __future__ import annotations
@@ -15,9 +16,23 @@ import pytest
 from tests.suites.child_session import failure_text, run_one_item
 
 
-def row(module: str, item: str, adapter: str, complaint: str, *, fast: bool = False):
+def row(
+    module: str,
+    item: str,
+    adapter: str,
+    complaint: str,
+    *,
+    fast: bool = False,
+    options: tuple[str, ...] = (),
+):
     marks = () if fast else (pytest.mark.slow,)
-    return pytest.param(module, item, adapter, complaint, marks=marks, id=f"{module}-{adapter}")
+    return pytest.param(
+        module, item, adapter, complaint, options, marks=marks, id=f"{module}-{adapter}"
+    )
+
+
+#: The post-optim event needs device events: these rows run on the fake accelerator.
+ON_A_DEVICE = ("--device", "fakeaccel")
 
 
 ROWS = [
@@ -190,14 +205,39 @@ ROWS = [
         "hidden_broken_gradient_sync",
         "accepted it silently",
     ),
+    row(
+        "test_post_optim_event",
+        "test_post_optim_event[ws2]",
+        "ignore_post_optim_event",
+        "did not wait for the post-optim event recorded after step 0",
+        fast=True,
+        options=ON_A_DEVICE,
+    ),
+    row(
+        "test_post_optim_event",
+        "test_post_optim_event[ws2]",
+        "stale_post_optim_event_torch",
+        "waited on the post-optim event of step 0, a stale one",
+        options=ON_A_DEVICE,
+    ),
+    row(
+        "test_post_optim_event",
+        "test_replicate_post_optim_event[ws2]",
+        "stale_post_optim_event",
+        "waited on the post-optim event of step 0, a stale one",
+        options=ON_A_DEVICE,
+    ),
 ]
 
 
-@pytest.mark.parametrize(("module", "item", "adapter", "complaint"), ROWS)
-def test_suite_fails_on_broken_adapter(tmp_path, module, item, adapter, complaint):
+@pytest.mark.parametrize(("module", "item", "adapter", "complaint", "options"), ROWS)
+def test_suite_fails_on_broken_adapter(tmp_path, module, item, adapter, complaint, options):
     nodeid = f"suites/{module}.py::{item}"
     failures, output = run_one_item(
-        nodeid, ["--impl", f"tests.suites.broken:{adapter}"], tmp_path / "report.xml", 600
+        nodeid,
+        ["--impl", f"tests.suites.broken:{adapter}", *options],
+        tmp_path / "report.xml",
+        600,
     )
     assert failures, f"{nodeid} did not fail on {adapter}:\n{output[-3000:]}"
     message = failure_text(failures)

@@ -218,7 +218,7 @@ def resolve_settings(options: argparse.Namespace) -> Settings:
         if not folder.is_dir():
             raise UsageError(f"--json {options.json}: the folder {folder} does not exist")
     try:
-        plugins = activate(options.backend_plugin, options.backend)
+        plugins = activate(options.backend_plugin, options.backend, options.device)
         device = check_device_type(options.device)
         backend = resolve_backend(options.launcher, options.backend, device)
         peer_backend = resolve_backend(PEER_LAUNCHER, PEER_BACKEND, PEER_DEVICE)
