@@ -65,8 +65,32 @@ def test_every_install_path_is_constrained_and_the_tools_are_pinned():
     for name, text in texts.items():
         for line in text.splitlines():
             if "pip install" in line and not line.rstrip().endswith("--upgrade pip"):
-                assert "-c constraints.txt" in line or "constraints.txt" in line, (name, line)
+                constrained = "constraints.txt" in line or "-c {toxinidir}/{env:TORCH_PINS}" in line
+                assert constrained, (name, line)
     assert "deps = ruff" in texts["tox.ini"]  # lint env: pinned through the constraints
+
+
+def test_each_torch_of_the_version_matrix_is_pinned_with_the_same_tools():
+    def pins_of(path: Path) -> dict[str, str]:
+        return {
+            _requirement_name(line): line.strip()
+            for line in path.read_text().splitlines()
+            if line.strip() and not line.startswith("#")
+        }
+
+    default = pins_of(ROOT / "constraints.txt")
+    tox = (ROOT / "tox.ini").read_text()
+    window = _pyproject()["project"]["dependencies"]
+    assert "torch>=2.11,<2.16" in window
+    for minor in (11, 12, 14, 15):
+        path = ROOT / "constraints" / f"torch-2.{minor}.txt"
+        pins = pins_of(path)
+        assert pins["torch"].startswith(f"torch==2.{minor}."), pins
+        assert {k: v for k, v in pins.items() if k != "torch"} == {
+            k: v for k, v in default.items() if k != "torch"
+        }, f"{path.name} pins other tools than constraints.txt"
+        assert f"torch2{minor}: TORCH_PINS = constraints/torch-2.{minor}.txt" in tox
+    assert "torch213: TORCH_PINS = constraints.txt" in tox
 
 
 def test_each_runtime_dependency_is_used_and_test_tools_stay_in_the_test_extra():
