@@ -10,15 +10,14 @@ the difference and what the accessor does about it). :func:`require_audited` run
 every accessor: a torch outside the window, or a release the accessor's audit does not
 cover, is refused with the window named, never used blind.
 
-Light on purpose (torch only): ``impl/`` uses it without the pytest side of the harness.
+Light on purpose: ``impl/`` uses it without the pytest side of the harness, and the
+plugins import it before anything has imported torch (torch is imported on first use).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-
-import torch
 
 Version = tuple[int, int]
 
@@ -32,6 +31,8 @@ SUPPORTED_TORCH: tuple[Version, ...] = (V2_11, V2_12, V2_13, V2_14, V2_15)
 
 
 def installed_torch_version() -> Version:
+    import torch  # on first use: see the module docstring
+
     major, minor = torch.__version__.split("+")[0].split(".")[:2]
     return int(major), int(minor)
 
@@ -64,6 +65,8 @@ class Audit:
 
 def require_audited(audits: Mapping[str, Audit], accessor: str, module: str) -> None:
     """Refuse ``module:accessor`` unless the installed torch is in the window and audited."""
+    import torch  # as in installed_torch_version
+
     version = installed_torch_version()
     where = f"{module}:{accessor}"
     if version not in SUPPORTED_TORCH:

@@ -13,7 +13,6 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from harness import torch_api
 from suites.backend.bandwidth.arithmetic import (
     DTYPE_SIZES,
     Layout,
@@ -110,6 +109,8 @@ def _collective(
 ) -> Callable[[], object]:
     import torch
     import torch.distributed as dist
+
+    from harness import torch_api
 
     if op in ("all_reduce", "reduce"):
         # In-place sums of zeros stay zero: repeated sums of anything else overflow to inf
