@@ -19,6 +19,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import pytest
+import torch
+import torch.distributed as dist
+
+from harness import backend_plugins
+
 _NVIDIA_SMI_FIELDS = "name,memory.total,driver_version"
 
 
@@ -48,8 +54,7 @@ def _nvidia_smi() -> list[dict[str, str]] | str:
 
 
 def describe(device_type: str) -> dict[str, Any]:
-    import pytest
-    import torch
+    backend_plugins.activate((), None, device_type)  # a bundled device (fakeaccel) loads here
 
     facts: dict[str, Any] = {
         "python": platform.python_version(),
@@ -88,8 +93,6 @@ def describe(device_type: str) -> dict[str, Any]:
                 for i in range(torch.accelerator.device_count())
             ]
         )
-    import torch.distributed as dist
-
     facts["backends"] = {
         name: _guarded(getattr(dist, f"is_{name}_available"))
         for name in ("nccl", "gloo", "mpi", "ucc", "xccl")

@@ -187,11 +187,15 @@ def test_the_plan_has_every_step_of_the_issue_in_order():
     assert "--dist-share-devices" in shared.argv and "2,4" in shared.argv
 
 
-def test_gpu_check_on_the_cpu_writes_both_reports(tmp_path):
+ONE_FAKE_DEVICE = {**os.environ, "FAKEACCEL_DEVICE_COUNT": "1"}
+
+
+def test_gpu_check_on_one_fake_device_writes_both_reports(tmp_path):
     completed = subprocess.run(
-        [sys.executable, "-m", "harness", "gpu-check", "--device", "cpu", "--out", str(tmp_path),
-         "--only", "environment,conformance-reference"],
+        [sys.executable, "-m", "harness", "gpu-check", "--device", "fakeaccel", "--out",
+         str(tmp_path), "--only", "environment,accelerator-tests"],
         cwd=TREE,
+        env=ONE_FAKE_DEVICE,
         capture_output=True,
         text=True,
         timeout=300,
@@ -199,26 +203,23 @@ def test_gpu_check_on_the_cpu_writes_both_reports(tmp_path):
     assert completed.returncode == 0, completed.stdout + completed.stderr
     document = json.loads((tmp_path / "gpu-check.json").read_text())
     assert [s["status"] for s in document["steps"]] == [PASS, PASS]
-    assert document["environment"]["torch"]
+    assert document["environment"]["device_count"] == 1
     markdown = (tmp_path / "gpu-check.md").read_text()
-    assert "| conformance-reference | PASS |" in markdown
+    assert "| accelerator-tests | PASS |" in markdown
 
 
 @pytest.mark.slow
-def test_the_whole_check_passes_on_the_cpu_but_the_accelerator_steps(tmp_path):
+def test_the_whole_check_passes_on_one_fake_device_within_its_budget(tmp_path):
     completed = subprocess.run(
-        [sys.executable, "-m", "harness", "gpu-check", "--device", "cpu", "--out", str(tmp_path)],
+        [sys.executable, "-m", "harness", "gpu-check", "--device", "fakeaccel",
+         "--out", str(tmp_path)],
         cwd=TREE,
+        env=ONE_FAKE_DEVICE,
         capture_output=True,
         text=True,
         timeout=900,
-    )
+    )  # fmt: skip
     document = json.loads((tmp_path / "gpu-check.json").read_text())
     statuses = {s["name"]: s["status"] for s in document["steps"]}
-    accelerator = {"accelerator-tests", "accelerator-tests-shared"}
-    assert all(statuses[name] == FAIL for name in accelerator), statuses  # all skipped on CPU
-    assert all(status == PASS for name, status in statuses.items() if name not in accelerator), (
-        statuses,
-        completed.stderr[-3000:],
-    )
-    assert document["wall_s"] < 8 * 60
+    assert set(statuses.values()) == {PASS}, (statuses, completed.stderr[-3000:])
+    assert document["wall_s"] < DEFAULT_BUDGET_S
