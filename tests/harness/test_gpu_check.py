@@ -1,8 +1,9 @@
-"""python -m harness gpu-check: its judges, its limits and budget, and a run on the CPU.
+"""python -m harness gpu-check: its judges, its limits and budget, and runs on a fake GPU.
 
 The judges read artifacts written here by hand (a JUnit file, a conformance report), so each
-verdict is checked against what the artifact says, both ways. The whole check runs on the
-CPU in the slow set (``--device cpu``: every step but the accelerator tests can pass there).
+verdict is checked against what the artifact says, both ways. The check itself runs on the
+fake accelerator with one device (``FAKEACCEL_DEVICE_COUNT=1``), as it would meet one GPU: a
+short smoke in the default run, every step in the slow set.
 """
 
 from __future__ import annotations
