@@ -4,7 +4,6 @@ window (or a release its audit lacks) with the message that says what to do."""
 
 from __future__ import annotations
 
-import inspect
 import sys
 import unittest
 
@@ -26,10 +25,9 @@ from harness.adopt import _torch_test_harness as torch_harness
 from harness.torch_window import (
     SUPPORTED_TORCH,
     V2_15,
-    Audit,
-    PrivateTorchAccessError,
     installed_torch_version,
 )
+from tests.audited_access import audit_tests
 
 MODULE = "harness/adopt/_torch_test_harness.py"
 
@@ -123,39 +121,8 @@ CALLS = {
     "run_per_thread_hooks": (None, None),
 }
 
-
-def test_every_accessor_has_an_audit_of_every_release():
-    functions = {
-        name
-        for name, function in inspect.getmembers(torch_harness, inspect.isfunction)
-        if function.__module__ == torch_harness.__name__
-        and not name.startswith("_")
-        and name != "require_audited_torch"
-    }
-    assert set(torch_harness.AUDITS) == functions == set(CALLS)
-    for accessor, audit in torch_harness.AUDITS.items():
-        assert audit.reads.strip(), accessor
-        assert set(audit.versions) == set(SUPPORTED_TORCH), accessor
-        assert all(finding.strip() for finding in audit.versions.values()), accessor
-
-
-@pytest.mark.parametrize("accessor", sorted(CALLS))
-@pytest.mark.parametrize("version", ["2.10.0", "2.16.0", "3.0.0a0"])
-def test_every_accessor_refuses_a_torch_outside_the_window(monkeypatch, accessor, version):
-    monkeypatch.setattr(torch, "__version__", version)
-    with pytest.raises(PrivateTorchAccessError) as excinfo:
-        getattr(torch_harness, accessor)(*CALLS[accessor])
-    message = str(excinfo.value)
-    assert f"{MODULE}:{accessor}" in message and version in message
-    assert "torch 2.11 to 2.15" in message
-
-
-@pytest.mark.parametrize("accessor", sorted(CALLS))
-def test_an_accessor_whose_audit_lacks_the_installed_release_is_refused(monkeypatch, accessor):
-    audit = torch_harness.AUDITS[accessor]
-    installed = installed_torch_version()
-    without = {version: text for version, text in audit.versions.items() if version != installed}
-    monkeypatch.setitem(torch_harness.AUDITS, accessor, Audit(audit.reads, without))
-    with pytest.raises(PrivateTorchAccessError) as excinfo:
-        getattr(torch_harness, accessor)(*CALLS[accessor])
-    assert f"{MODULE}:{accessor} is audited for" in str(excinfo.value)
+(
+    test_every_accessor_has_an_audit_of_every_release,
+    test_every_accessor_refuses_a_torch_outside_the_window,
+    test_an_accessor_whose_audit_lacks_the_installed_release_is_refused,
+) = audit_tests(torch_harness, MODULE, CALLS)

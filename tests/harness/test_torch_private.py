@@ -3,75 +3,37 @@ on the installed torch, and refuses a torch outside the window (or a release its
 
 from __future__ import annotations
 
-import inspect
-
 import pytest
 import torch
 import torch.distributed as dist
 
 from harness import _torch_private
-from harness.torch_window import SUPPORTED_TORCH, Audit, installed_torch_version
-
-OUTSIDE_THE_WINDOW = ["2.10.0", "2.16.0", "3.0.0a0", "2.9.1+cpu"]
+from tests.audited_access import audit_tests
 
 #: A call of each accessor; every one must be refused before it touches anything.
 CALLS = {
-    "live_process_groups": lambda: _torch_private.live_process_groups(),
-    "registered_group_name": lambda: _torch_private.registered_group_name(None),
-    "iter_non_default_groups": lambda: _torch_private.iter_non_default_groups(),
-    "install_thread_local_c10d_world": lambda: _torch_private.install_thread_local_c10d_world(),
-    "uninstall_thread_local_c10d_world": lambda: _torch_private.uninstall_thread_local_c10d_world(),
-    "thread_local_c10d_world_installed": lambda: _torch_private.thread_local_c10d_world_installed(),
-    "bind_thread_to_fresh_c10d_world": lambda: _torch_private.bind_thread_to_fresh_c10d_world(),
-    "unbind_thread_c10d_world": lambda: _torch_private.unbind_thread_c10d_world(),
-    "import_dynamo": lambda: _torch_private.import_dynamo(),
-    "forget_dtensor_caches": lambda: _torch_private.forget_dtensor_caches(),
-    "dtensor_fast_path_cache_stats": lambda: _torch_private.dtensor_fast_path_cache_stats(),
-    "torch_dispatch_mode_class": lambda: _torch_private.torch_dispatch_mode_class(),
-    "functional_collective_packets": lambda: _torch_private.functional_collective_packets((), ()),
+    "live_process_groups": (),
+    "registered_group_name": (None,),
+    "iter_non_default_groups": (),
+    "install_thread_local_c10d_world": (),
+    "uninstall_thread_local_c10d_world": (),
+    "thread_local_c10d_world_installed": (),
+    "bind_thread_to_fresh_c10d_world": (),
+    "unbind_thread_c10d_world": (),
+    "import_dynamo": (),
+    "forget_dtensor_caches": (),
+    "dtensor_fast_path_cache_stats": (),
+    "torch_dispatch_mode_class": (),
+    "functional_collective_packets": ((), ()),
     # Refused before it registers anything (these calls only run on a torch it refuses).
-    "register_device_module": lambda: _torch_private.register_device_module("fakeaccel", None),
+    "register_device_module": ("fakeaccel", None),
 }
 
-
-def _accessor_functions() -> set[str]:
-    return {
-        name
-        for name, function in inspect.getmembers(_torch_private, inspect.isfunction)
-        if function.__module__ == _torch_private.__name__
-        and not name.startswith("_")
-        and name != "require_audited_torch"
-    }
-
-
-def test_every_accessor_has_an_audit_of_every_release():
-    assert set(_torch_private.AUDITS) == _accessor_functions() == set(CALLS)
-    for accessor, audit in _torch_private.AUDITS.items():
-        assert audit.reads.strip(), accessor
-        assert set(audit.versions) == set(SUPPORTED_TORCH), accessor
-        assert all(finding.strip() for finding in audit.versions.values()), accessor
-
-
-@pytest.mark.parametrize("accessor", sorted(CALLS))
-@pytest.mark.parametrize("version", OUTSIDE_THE_WINDOW)
-def test_every_accessor_refuses_a_torch_outside_the_window(monkeypatch, version, accessor):
-    monkeypatch.setattr(torch, "__version__", version)
-    with pytest.raises(_torch_private.PrivateTorchAccessError) as excinfo:
-        CALLS[accessor]()
-    message = str(excinfo.value)
-    assert f"harness/_torch_private.py:{accessor}" in message and version in message
-    assert "torch 2.11 to 2.15" in message
-
-
-@pytest.mark.parametrize("accessor", sorted(CALLS))
-def test_an_accessor_whose_audit_lacks_the_installed_release_is_refused(monkeypatch, accessor):
-    audit = _torch_private.AUDITS[accessor]
-    installed = installed_torch_version()
-    without = {version: text for version, text in audit.versions.items() if version != installed}
-    monkeypatch.setitem(_torch_private.AUDITS, accessor, Audit(audit.reads, without))
-    with pytest.raises(_torch_private.PrivateTorchAccessError) as excinfo:
-        CALLS[accessor]()
-    assert f"harness/_torch_private.py:{accessor} is audited for" in str(excinfo.value)
+(
+    test_every_accessor_has_an_audit_of_every_release,
+    test_every_accessor_refuses_a_torch_outside_the_window,
+    test_an_accessor_whose_audit_lacks_the_installed_release_is_refused,
+) = audit_tests(_torch_private, "harness/_torch_private.py", CALLS)
 
 
 @pytest.mark.world_size(2)

@@ -5,14 +5,13 @@ accessors work on the installed torch."""
 from __future__ import annotations
 
 import copy
-import inspect
 
 import pytest
 import torch
 from torch import nn
 
-from harness.torch_window import SUPPORTED_TORCH, Audit, installed_torch_version
 from impl import _torch_private
+from tests.audited_access import audit_tests
 
 MODULE = "impl/_torch_private.py"
 
@@ -29,42 +28,11 @@ CALLS = {
     "strided_shard": (0, 2),
 }
 
-
-def test_every_accessor_has_an_audit_of_every_release():
-    functions = {
-        name
-        for name, function in inspect.getmembers(_torch_private, inspect.isfunction)
-        if function.__module__ == _torch_private.__name__
-        and not name.startswith("_")
-        and name != "require_audited_torch"
-    }
-    assert set(_torch_private.AUDITS) == functions == set(CALLS)
-    for accessor, audit in _torch_private.AUDITS.items():
-        assert audit.reads.strip(), accessor
-        assert set(audit.versions) == set(SUPPORTED_TORCH), accessor
-        assert all(finding.strip() for finding in audit.versions.values()), accessor
-
-
-@pytest.mark.parametrize("accessor", sorted(CALLS))
-@pytest.mark.parametrize("version", ["2.10.0", "2.16.0", "3.0.0a0"])
-def test_every_accessor_refuses_a_torch_outside_the_window(monkeypatch, accessor, version):
-    monkeypatch.setattr(torch, "__version__", version)
-    with pytest.raises(_torch_private.PrivateTorchAccessError) as raised:
-        getattr(_torch_private, accessor)(*CALLS[accessor])
-    message = str(raised.value)
-    assert f"{MODULE}:{accessor}" in message and version in message
-    assert "torch 2.11 to 2.15" in message
-
-
-@pytest.mark.parametrize("accessor", sorted(CALLS))
-def test_an_accessor_whose_audit_lacks_the_installed_release_is_refused(monkeypatch, accessor):
-    audit = _torch_private.AUDITS[accessor]
-    installed = installed_torch_version()
-    without = {version: text for version, text in audit.versions.items() if version != installed}
-    monkeypatch.setitem(_torch_private.AUDITS, accessor, Audit(audit.reads, without))
-    with pytest.raises(_torch_private.PrivateTorchAccessError) as raised:
-        getattr(_torch_private, accessor)(*CALLS[accessor])
-    assert f"{MODULE}:{accessor} is audited for" in str(raised.value)
+(
+    test_every_accessor_has_an_audit_of_every_release,
+    test_every_accessor_refuses_a_torch_outside_the_window,
+    test_an_accessor_whose_audit_lacks_the_installed_release_is_refused,
+) = audit_tests(_torch_private, MODULE, CALLS)
 
 
 def test_checkpoint_wrapper_api_wraps_with_its_prefix_and_keeps_gradients():

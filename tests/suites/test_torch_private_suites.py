@@ -4,7 +4,6 @@ torch gives what the backend suite relies on."""
 
 from __future__ import annotations
 
-import inspect
 import warnings
 
 import pytest
@@ -14,14 +13,19 @@ import torch.distributed as dist
 from harness.torch_window import (
     SUPPORTED_TORCH,
     V2_13,
-    Audit,
-    PrivateTorchAccessError,
     installed_torch_version,
 )
 from suites import _torch_private
+from tests.audited_access import audit_tests
 
 MODULE = "suites/_torch_private.py"
 CALLS = {"premul_sum": (0.5,), "functional_collectives": ()}
+
+(
+    test_every_accessor_has_an_audit_of_every_release,
+    test_every_accessor_refuses_a_torch_outside_the_window,
+    test_an_accessor_whose_audit_lacks_the_installed_release_is_refused,
+) = audit_tests(_torch_private, MODULE, CALLS)
 SUITE_CALLS = (
     "all_reduce",
     "all_gather_single",
@@ -29,43 +33,6 @@ SUITE_CALLS = (
     "all_to_all_single",
     "wait_tensor",
 )
-
-
-def test_every_accessor_has_an_audit_of_every_release():
-    functions = {
-        name
-        for name, function in inspect.getmembers(_torch_private, inspect.isfunction)
-        if function.__module__ == _torch_private.__name__
-        and not name.startswith("_")
-        and name != "require_audited_torch"
-    }
-    assert set(_torch_private.AUDITS) == functions == set(CALLS)
-    for accessor, audit in _torch_private.AUDITS.items():
-        assert audit.reads.strip(), accessor
-        assert set(audit.versions) == set(SUPPORTED_TORCH), accessor
-        assert all(finding.strip() for finding in audit.versions.values()), accessor
-
-
-@pytest.mark.parametrize("accessor", sorted(CALLS))
-@pytest.mark.parametrize("version", ["2.10.0", "2.16.0", "3.0.0a0"])
-def test_accessors_refuse_a_torch_outside_the_window(monkeypatch, accessor, version):
-    monkeypatch.setattr(torch, "__version__", version)
-    with pytest.raises(PrivateTorchAccessError) as raised:
-        getattr(_torch_private, accessor)(*CALLS[accessor])
-    message = str(raised.value)
-    assert f"{MODULE}:{accessor}" in message and version in message
-    assert "torch 2.11 to 2.15" in message
-
-
-@pytest.mark.parametrize("accessor", sorted(CALLS))
-def test_an_accessor_whose_audit_lacks_the_installed_release_is_refused(monkeypatch, accessor):
-    audit = _torch_private.AUDITS[accessor]
-    installed = installed_torch_version()
-    without = {version: text for version, text in audit.versions.items() if version != installed}
-    monkeypatch.setitem(_torch_private.AUDITS, accessor, Audit(audit.reads, without))
-    with pytest.raises(PrivateTorchAccessError) as raised:
-        getattr(_torch_private, accessor)(*CALLS[accessor])
-    assert f"{MODULE}:{accessor} is audited for" in str(raised.value)
 
 
 def test_premul_sum_is_the_premul_sum_reduce_op():
