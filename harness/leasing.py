@@ -148,10 +148,18 @@ class LeasedPool:
     def lease(self) -> DeviceLease | None:
         return self._lease
 
+    def lease_now(self) -> bool:
+        """Take the lease at once if the devices are free (before :meth:`start`, which
+        otherwise waits for them); False if they are not."""
+        if self._lease is None:
+            self._lease = _try_lease(lease_dir(), self.device_type, self.devices, self.total)
+        return self._lease is not None
+
     def start(self, timeout: float | None = None) -> None:
         budget = timeout if timeout is not None else 120.0
         started = time.monotonic()
-        self._lease = lease_devices(self.device_type, self.devices, self.total, budget)
+        if self._lease is None:
+            self._lease = lease_devices(self.device_type, self.devices, self.total, budget)
         self._pool = self._make_pool(self._lease.visibility_env())
         try:
             self._pool.start(max(1.0, budget - (time.monotonic() - started)))

@@ -150,12 +150,14 @@ class PoolManager:
     def _acquire(self, key: PoolKey, start_budget: float | None) -> RankPool:
         pool = self._pools.get(key)
         if pool is not None and pool.alive():
+            self._pools[key] = self._pools.pop(key)  # the most recently used comes last
             return pool
         if pool is not None:
             # Its ranks died between tests (killed from outside, or their fork server
             # went away): not this test's failure, so start a new pool for it.
             self._discard(key)
         pool = self._factory(key)
+        self._make_room_for(pool, key)
         self.spawn_count += 1
         try:
             pool.start(start_budget)
@@ -171,6 +173,23 @@ class PoolManager:
             ) from exc
         self._pools[key] = pool
         return pool
+
+    def _make_room_for(self, pool: RankPool, key: PoolKey) -> None:
+        """Close this session's idle pools on the same device type, least recently used
+        first, until ``pool`` can lease its devices.
+
+        Warm pools of other world sizes keep their devices leased: on a machine with 8
+        accelerators, pools of 2 and 4 ranks leave too few for one of 8, which would wait
+        for devices this very session holds. Devices that other processes lease are
+        waited for as before, in the pool's start.
+        """
+        lease_now = getattr(pool, "lease_now", None)
+        if lease_now is None or lease_now():
+            return
+        for other in [k for k in self._pools if k.device_type == key.device_type]:
+            self._discard(other, recycled=False)
+            if lease_now():
+                return
 
     def _discard(self, key: PoolKey, recycled: bool = True) -> None:
         pool = self._pools.pop(key, None)

@@ -12,6 +12,7 @@ import time
 import pytest
 
 from harness.leasing import FAKE_COUNT_ENV, LEASE_DIR_ENV, LeasedPool, LeaseTimeout, lease_devices
+from harness.pools import PoolKey, PoolManager
 
 HOLDER = textwrap.dedent(
     """
@@ -138,3 +139,28 @@ def test_two_pools_of_one_process_lease_disjoint_devices(lease_env):
         lease_devices("cuda", 1, 3, timeout=0.2)
     first.release()
     assert lease_devices("cuda", 2, 3, timeout=1).indices == first.indices
+
+
+def test_a_session_closes_its_own_idle_pools_to_lease_devices_for_a_larger_world(lease_env):
+    # 8 devices: warm pools of 2 and 4 ranks hold 6; a world of 8 must not wait for devices
+    # its own session holds, but close them (least recently used first) and start at once.
+    built: dict[int, list[_RecordingPool]] = {}
+
+    def factory(key: PoolKey):
+        def make(env):
+            built.setdefault(key.world_size, []).append(_RecordingPool(env))
+            return built[key.world_size][-1]
+
+        return LeasedPool("cuda", key.world_size, 8, make)
+
+    manager = PoolManager(factory)
+    keys = {ws: PoolKey("process", ws, "nccl", "cuda", 1) for ws in (2, 4, 8)}
+    for ws in (2, 4):
+        manager._acquire(keys[ws], start_budget=5)
+    started = time.monotonic()
+    manager._acquire(keys[8], start_budget=60)
+    assert time.monotonic() - started < 5
+    assert built[2][0].killed and built[4][0].killed  # closed to make room
+    assert built[8][0].env == {"CUDA_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7"}
+    assert len(manager) == 1
+    manager.shutdown()
