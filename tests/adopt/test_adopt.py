@@ -411,3 +411,16 @@ def test_without_the_option_pytest_runs_them_with_torchs_own_harness(tmp_path):
 
 def _ids(stdout: str) -> list[str]:
     return [line for line in stdout.splitlines() if line.startswith("test_sample.py::")]
+
+
+def test_fsdp_and_dtensor_classes_run_on_the_fake_accelerator(tmp_path):
+    # FSDPTest skips before any method runs on a machine with fewer accelerators than
+    # ranks; the fake device has 8, so its methods run on accelerator ranks, here as there.
+    done = run_sample(
+        tmp_path, "test_sample.py", "--dist-adopt", "--device", "fakeaccel", "-rA",
+        "-k", "FSDPStyle or DTensorStyle", timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    assert "PASSED test_sample.py::TestFSDPStyle::test_run_subtests" in done.stdout
+    assert "PASSED test_sample.py::TestDTensorStyle::test_mesh_and_dtensor" in done.stdout
+    assert "device fakeaccel" in done.stdout
