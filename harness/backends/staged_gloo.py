@@ -9,8 +9,9 @@ ranks can share one device: NCCL refuses two ranks of one communicator on one GP
 gloo's own device support covers only a few collectives (no all-gather into one tensor, no
 reduce-scatter), which FSDP2 needs.
 
-It is for correctness runs, not speed: each collective is synchronous (its work is complete
-when the call returns) and costs two host copies. Operation names follow the installed
+It is for correctness runs, not speed: each collective costs two host copies. Its work is
+gloo's: asynchronous as gloo's is, and the results are on the device once it is waited for
+(or its future completes). Operation names follow the installed
 torch's c10d: 2.13's ``all_gather_single`` / ``reduce_scatter_single`` /
 ``all_to_all_single`` and the names older releases call (``_allgather_base``...).
 """
