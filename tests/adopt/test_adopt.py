@@ -413,6 +413,7 @@ def _ids(stdout: str) -> list[str]:
     return [line for line in stdout.splitlines() if line.startswith("test_sample.py::")]
 
 
+@pytest.mark.slow
 def test_fsdp_and_dtensor_classes_run_on_the_fake_accelerator(tmp_path):
     # FSDPTest skips before any method runs on a machine with fewer accelerators than
     # ranks; the fake device has 8, so its methods run on accelerator ranks, here as there.
