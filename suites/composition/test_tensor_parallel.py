@@ -31,7 +31,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from harness.parity import ReferenceModel, assert_losses_equal, assert_tensors_close
-from suites.cases import conformance
+from suites.cases import FAKE_DEVICE, conformance
 from suites.models import MLPStack, ModelArgs, Transformer
 from suites.training import STEPS, SUMMED_LOGITS_GRAD_TOLERANCE
 
@@ -324,4 +324,20 @@ def test_cpu_attention_on_tp_activations_has_no_sharding_strategy(rank_ctx):
     parallelize_transformer(model, rank_ctx.mesh(rank_ctx.world_size, ("tp",)))
     no_strategy = r"flash_attention_for_cpu\S* does not have a sharding strategy"
     with pytest.raises(NotImplementedError, match=no_strategy):
+        model(torch.randint(0, 8, (2, 16), device=rank_ctx.device))
+
+
+@pytest.mark.slow
+@pytest.mark.world_size(2)
+def test_math_attention_on_tp_activations_cannot_be_sharded_on_the_fake_device(rank_ctx):
+    """The evidence for the ``FAKEACCEL:`` skip of the tp=2 items above (suites/cases.toml):
+    off CUDA, SDPA takes its math path, and DTensor cannot run it on TP-sharded q/k/v (a plain
+    tensor meets the DTensors). When this starts failing, the tp=2 items can run there."""
+    if rank_ctx.device_type != FAKE_DEVICE:
+        pytest.skip("checks a limitation of the fake accelerator")
+    torch.manual_seed(42)
+    with torch.device(rank_ctx.device):
+        model = Transformer(ModelArgs(dropout_p=0.0))
+    parallelize_transformer(model, rank_ctx.mesh(rank_ctx.world_size, ("tp",)))
+    with pytest.raises(RuntimeError, match=r"got mixed torch\.Tensor and DTensor"):
         model(torch.randint(0, 8, (2, 16), device=rank_ctx.device))
