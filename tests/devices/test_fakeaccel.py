@@ -62,6 +62,14 @@ def test_views_share_the_memory_of_their_base():
     assert torch.equal(base.cpu(), expected)
 
 
+def test_complex_tensors_view_as_real_and_back_in_place():
+    values = torch.tensor([1 + 2j, 3 - 4j], dtype=torch.complex64, device=DEVICE)
+    as_real = torch.view_as_real(values)
+    as_real[:, 1].neg_()  # writes through to the complex tensor: a view, not a copy
+    assert values.cpu().tolist() == [1 - 2j, 3 + 4j]
+    assert torch.view_as_complex(as_real).data_ptr() == values.data_ptr()
+
+
 def test_allocator_statistics_count_device_memory_only():
     torch.accelerator.reset_peak_memory_stats(DEVICE)
     before = torch.accelerator.memory_allocated(DEVICE)
