@@ -517,7 +517,8 @@ def format_tables(rows: list[dict[str, Any]]) -> str:
         "|---:|---|---|---|---:|---|---:|---:|",
     ]
     other_lines = [
-        "| ws | model | raf | peak RSS above baseline MiB ref / torch (ratio) "
+        "| ws | model | raf | peak memory above baseline MiB ref / torch (ratio; RSS, or the "
+        "device allocator's on an accelerator) "
         "| sharded bytes/rank ref / torch / ceil(N/ws) | bytes/rank/step ref / torch / formula "
         "| ratio ref, torch |",
         "|---:|---|---|---|---|---|---|",
