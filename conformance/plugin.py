@@ -210,9 +210,21 @@ def backend_declaration(config: pytest.Config) -> BackendDeclaration:
 
 
 def default_backend_expectations(backend: str) -> Expectations:
-    """``suites/backend/expectations/<backend>.toml`` for a bundled backend, if it exists."""
-    path = BACKEND_EXPECTATIONS_DIR / f"{backend}.toml"
-    return load(path) if backend.isidentifier() and path.is_file() else Expectations()
+    """A bundled backend's expectations: ``suites/backend/expectations/<backend>.toml``, and
+    ``<backend>-<major>.<minor>.toml`` for what only the installed torch release adds (gloo
+    lacks a list all-to-all in torch 2.11), each if it exists."""
+    if not backend.isidentifier():
+        return Expectations()
+    major, minor = installed_torch_version()
+    found = [
+        load(path)
+        for path in (
+            BACKEND_EXPECTATIONS_DIR / f"{backend}.toml",
+            BACKEND_EXPECTATIONS_DIR / f"{backend}-{major}.{minor}.toml",
+        )
+        if path.is_file()
+    ]
+    return combine(*found) if found else Expectations()
 
 
 @pytest.fixture(scope="session")
@@ -225,6 +237,14 @@ def impl(request: pytest.FixtureRequest) -> Implementation:
 def conformance_tolerance(request: pytest.FixtureRequest) -> Tolerance:
     """This test's tolerance override from the expectations file (empty when none)."""
     return request.node.stash.get(TOLERANCE_KEY, Tolerance())
+
+
+def release_expectations() -> Expectations:
+    """``suites/expectations/release-<major>.<minor>.toml``: differences of the installed torch
+    release's own components that every implementation meets (its pipelining engine), if any."""
+    major, minor = installed_torch_version()
+    path = Path(suites.__file__).parent / "expectations" / f"release-{major}.{minor}.toml"
+    return load(path) if path.is_file() else Expectations()
 
 
 def default_expectations_path(spec: str) -> Path | None:
@@ -255,6 +275,8 @@ class ConformancePlugin:
         named = config.getoption("expectations")
         path = Path(named) if named else default_expectations_path(self.spec)
         loaded = load(path) if path is not None else Expectations()
+        if not named:  # a vendor's own file stands alone; the bundled ones add the release's
+            loaded = combine(loaded, release_expectations())
         self.expectations = loaded.on_device(config.getoption("device") or "cpu")
         # Under torchrun or srun every rank runs the session; rank 0 writes the report.
         rank_0 = prints_the_report(config)

@@ -26,6 +26,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from harness.backends.python_group import PythonProcessGroup
+
 BACKEND_NAME = "staged_gloo"
 
 Tensors = Sequence[torch.Tensor]
@@ -102,7 +104,7 @@ def _back(device_tensors: Tensors, host_tensors: Tensors) -> None:
         torch.accelerator.current_stream(device).synchronize()
 
 
-class StagedGlooProcessGroup(dist.ProcessGroup):
+class StagedGlooProcessGroup(PythonProcessGroup):
     """One rank's handle on one group, backed by a gloo group over the same store."""
 
     def __init__(

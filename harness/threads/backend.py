@@ -28,6 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from harness.backends.python_group import PythonProcessGroup
 from harness.threads import observe
 from harness.threads.world import (
     CollectiveMismatchError,
@@ -176,7 +177,7 @@ class ThreadedWork(dist.Work):
         return future
 
 
-class ThreadedProcessGroup(dist.ProcessGroup):
+class ThreadedProcessGroup(PythonProcessGroup):
     """One rank's handle on one group (the default group or a subgroup)."""
 
     def __init__(

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from harness.leasing import LEASE_DIR_ENV
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -108,7 +110,13 @@ def test_parallel_workers_lease_disjoint_fake_devices(tmp_path):
     completed = _run(
         ["-m", "pytest", str(tmp_path / "test_leases.py"), "-n", "2", "--device", "fakeaccel",
          "-p", "no:cacheprovider", "-q", "--rootdir", str(tmp_path)],
-        env={"FAKEACCEL_DEVICE_COUNT": "4", "LEASE_RECORD": str(record)},
+        # Leases of its own: other runs on this machine lease fake devices from the same
+        # default directory.
+        env={
+            "FAKEACCEL_DEVICE_COUNT": "4",
+            "LEASE_RECORD": str(record),
+            LEASE_DIR_ENV: str(tmp_path / "leases"),
+        },
     )  # fmt: skip
     assert completed.returncode == 0, completed.stdout[-4000:]
     visible_by_pid = dict(json.loads(line) for line in record.read_text().splitlines())

@@ -82,9 +82,15 @@ def test_a_host_killed_by_a_signal_blames_no_rank(thread_pools):
     assert "rank 0" not in headline
 
 
-def test_the_parent_removes_the_host_temp_files_after_the_host_dies():
+def test_the_parent_removes_the_host_temp_files_after_the_host_dies(tmp_path, monkeypatch):
     # The host's files live in its pool's directory, which the parent removes itself: a
-    # host that dies (or is killed) cannot clean up after itself.
+    # host that dies (or is killed) cannot clean up after itself. A temporary directory of
+    # its own (here and in the processes it starts): other runs on the machine use /tmp too.
+    private = tmp_path / "tmp"
+    private.mkdir()
+    monkeypatch.setenv("TMPDIR", str(private))
+    monkeypatch.setattr(tempfile, "tempdir", str(private))
+
     def leftovers() -> set[str]:
         return {p.name for p in Path(tempfile.gettempdir()).glob("distconform-*")}
 
