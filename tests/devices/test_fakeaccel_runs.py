@@ -139,3 +139,47 @@ def test_conformance_quick_at_ws_2_and_4_on_one_shared_fake_device(tmp_path, imp
     assert report["summary"]["counts"]["FAIL"] == 0
     passed_at = {t["world_size"] for t in report["tests"] if t["status"] == "PASS"}
     assert {2, 4} <= passed_at <= {2, 4, None}  # None: the property case draws its own
+
+
+MARKERS_ON_A_DEVICE = """
+import pytest, torch
+
+@pytest.mark.world_size(2)
+@pytest.mark.requires_devices(4)
+def test_needs_four_devices(rank_ctx):
+    pass
+
+@pytest.mark.world_size(1)
+@pytest.mark.requires_accelerator
+def test_runs_on_an_accelerator(rank_ctx):
+    assert rank_ctx.device.type == "fakeaccel"
+
+@pytest.mark.world_size(1)
+@pytest.mark.device_audit
+def test_creates_a_tensor_without_a_device(rank_ctx):
+    return torch.randn(4)
+
+@pytest.mark.world_size(1)
+@pytest.mark.device_audit
+def test_creates_its_tensor_on_the_rank_device(rank_ctx):
+    return torch.randn(4, device=rank_ctx.device)
+"""
+
+
+def test_markers_and_the_device_audit_on_the_fake_device(tmp_path):
+    (tmp_path / "test_markers.py").write_text(MARKERS_ON_A_DEVICE)
+    junit = tmp_path / "junit.xml"
+    completed = _run(
+        ["-m", "pytest", str(tmp_path / "test_markers.py"), "--device", "fakeaccel",
+         "-p", "no:cacheprovider", "-rs", "--rootdir", str(tmp_path), "--junitxml", str(junit)],
+        env={"FAKEACCEL_DEVICE_COUNT": "2"},
+    )  # fmt: skip
+    outcomes = _junit_outcomes(junit)
+    assert outcomes == {
+        "test_needs_four_devices[ws2]": "skipped",
+        "test_runs_on_an_accelerator[ws1]": "passed",
+        "test_creates_a_tensor_without_a_device[ws1]": "failure",
+        "test_creates_its_tensor_on_the_rank_device[ws1]": "passed",
+    }, completed.stdout[-4000:]
+    assert "needs 4 fakeaccel device(s), this machine has 2" in completed.stdout
+    assert "test_markers.py:" in completed.stdout and "randn" in completed.stdout
