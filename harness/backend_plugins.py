@@ -1,4 +1,9 @@
-"""``--backend-plugin MODULE``: a vendor's module that registers a c10d backend.
+"""``--backend-plugin MODULE``: a vendor's module that registers a c10d backend (or a device).
+
+A device plug-in is the same kind of module: importing it loads the device, registers its
+Python module and its backend (``harness/devices/fakeaccel`` is one). The harness's own
+backend and device are imported by name: ``--backend staged_gloo`` and ``--device
+fakeaccel`` need no ``--backend-plugin``.
 
 The parent imports each module (so ``--backend NAME`` resolves) and records the list in
 :data:`ENV_VAR`. Ranks inherit the environment, and every rank entry point calls
