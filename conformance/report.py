@@ -19,8 +19,8 @@ Profiles (from the ``pytest_distconform_conformance_profiles`` hook) come first:
 UNSUPPORTED case never lowers that share, a capability left undeclared would otherwise
 buy 100 %. A test tied to a case carries its case and the capabilities it needs as user
 properties; each profile counts its tests, and a required profile whose capabilities the
-implementation does not all declare gets no percentage: the headline says it is not
-conformant and names what is missing.
+implementation does not all declare gets no percentage. The headline opens with the
+verdicts (:mod:`conformance.verdict`): the run's, then each profile's.
 """
 
 from __future__ import annotations
@@ -52,6 +52,7 @@ from conformance.statuses import (
     conformance_percent,
     percent_text,
 )
+from conformance.verdict import Verdict, profile_verdict, run_verdict
 from harness.backend_plugins import ENV_VAR as BACKEND_PLUGINS_VAR
 from harness.session import (
     RANK_OUTCOMES_PROPERTY,
@@ -69,7 +70,7 @@ from suites.cases import (
     Profile,
 )
 
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 _MAX_DETAIL_CHARS = 4000
 
 
@@ -437,33 +438,38 @@ class ConformanceReport:
             results += [ProfileResult(p, members[p.name], declared) for p in [*required, *others]]
         return results
 
-    def not_conformant_lines(self, *, markdown: bool = False) -> list[str]:
-        """One verdict per required profile the implementation or backend does not fully
-        declare."""
-        lines = []
-        for result in self.profile_results():
-            if result.withheld:
-                record = self.subject_record(result.profile.subject)
-                name = record.get("name") or f"the {result.profile.subject}"
-                verdict = f"NOT CONFORMANT to {result.profile.name}"
-                verdict = f"**{verdict}**" if markdown else verdict
-                lines.append(
-                    f"{verdict}: {name} does not declare "
-                    f"{', '.join(result.missing_capabilities)}, which the profile requires"
-                )
-        return lines
+    def verdicts(self) -> tuple[Verdict, list[Verdict]]:
+        """The run's verdict and one per listed profile (:mod:`conformance.verdict`)."""
+        profiles = [
+            profile_verdict(result.to_json(), complete=self.complete)
+            for result in self.profile_results()
+        ]
+        return run_verdict(profiles, self.counts(), complete=self.complete), profiles
+
+    def verdict_lines(self, *, markdown: bool = False) -> list[str]:
+        """The run's verdict, then each profile's; empty without profiles."""
+        run, profiles = self.verdicts()
+        if not profiles:
+            return []
+        bullet = "- " if markdown else "  "
+        gap = [""] if markdown else []
+        return [
+            run.line(markdown=markdown),
+            *gap,
+            *(f"{bullet}{verdict.line(markdown=markdown)}" for verdict in profiles),
+        ]
 
     def headline_lines(self, *, markdown: bool = False) -> list[str]:
-        """The verdicts, then one line per profile; empty without profiles."""
+        """The verdicts, then one line of figures per profile; empty without profiles."""
         results = self.profile_results()
         if not results:
             return []
         # Markdown needs blank lines between paragraphs and before a list.
         gap = [""] if markdown else []
-        verdicts = self.not_conformant_lines(markdown=markdown)
         bullet = "- " if markdown else "  "
         return [
-            *([*verdicts, *gap] if verdicts else []),
+            *self.verdict_lines(markdown=markdown),
+            "",
             "profiles (cases applied of those collected from the case table; pass rate over "
             "the applied ones):",
             *gap,
@@ -487,6 +493,8 @@ class ConformanceReport:
 
     def to_json(self) -> dict[str, Any]:
         counts = self.counts()
+        run_verdict_of, profile_verdicts = self.verdicts()
+        run_verdict_json = run_verdict_of.to_json()
         return {
             "schema": SCHEMA,
             "schema_version": SCHEMA_VERSION,
@@ -511,7 +519,11 @@ class ConformanceReport:
                 }
                 for feature, ws, row in self.rows()
             ],
-            "profiles": [result.to_json() for result in self.profile_results()],
+            "verdict": run_verdict_json,
+            "profiles": [
+                {**result.to_json(), "verdict": verdict.to_json()}
+                for result, verdict in zip(self.profile_results(), profile_verdicts, strict=True)
+            ],
             "tests": [asdict(result) for result in self.tests],
             "stale_expectations": [
                 {"id": e.pattern, "kind": e.kind, "file": str(e.source), "line": e.line}
@@ -657,7 +669,7 @@ class ConformanceReport:
     def terminal_lines(self) -> list[str]:
         notable = self.notable_lines()
         headline = self.headline_lines()
-        not_conformant = [r.profile.name for r in self.profile_results() if r.withheld]
+        verdict, profiles = self.verdicts()
         return [
             *([*headline, ""] if headline else []),
             *self.header_lines(),
@@ -665,9 +677,9 @@ class ConformanceReport:
             *self.table_lines(),
             *(["", *notable] if notable else []),
             "",
-            f"conformance {percent_text(self.percent())} ({PASS_RATE_DEFINITION})"
-            # The last line is the one people quote: it must not read as a clean bill.
-            + "".join(f"; NOT CONFORMANT to {name}" for name in not_conformant),
+            # The last line is the one people quote: the verdict first, the rate after it.
+            (f"{verdict.line()}; " if profiles else "")
+            + f"conformance {percent_text(self.percent())} ({PASS_RATE_DEFINITION})",
             *([incomplete] if (incomplete := self.incomplete_line()) else []),
         ]
 

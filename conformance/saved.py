@@ -17,7 +17,7 @@ from typing import Any
 
 from conformance.statuses import SCHEMA, STATUSES, RunState, conformance_percent
 
-READABLE_VERSIONS = (4, 5)
+READABLE_VERSIONS = (4, 5, 6)
 
 
 class SavedRunError(ValueError):

@@ -35,6 +35,11 @@ td.num, th.num { text-align: right; font-variant-numeric: tabular-nums; }
 .banner { border-radius: 6px; padding: 8px 12px; margin: 8px 0; font-weight: 600; }
 .banner.bad { background: #ffebe9; border: 1px solid #cf222e; color: #82071e; }
 .banner.good { background: #dafbe1; border: 1px solid #1a7f37; color: #0b4a1f; }
+.banner.neutral { background: #f6f8fa; border: 1px solid #d0d7de; color: #24292f; }
+.verdicts { margin: 4px 0 8px; padding-left: 1.2em; }
+.verdict.good { color: #1a7f37; font-weight: 600; }
+.verdict.bad { color: #cf222e; font-weight: 600; }
+.verdict.neutral { color: #57606a; }
 .headline { display: flex; gap: 24px; align-items: baseline; flex-wrap: wrap; margin: 8px 0; }
 .headline .rate { font-size: 34px; font-weight: 700; }
 .badge { display: inline-block; min-width: 5.5em; text-align: center; border-radius: 4px;

@@ -1,6 +1,7 @@
 """``conformance.html``: one conformance run as a page a vendor can publish.
 
-Top to bottom: the headline (profiles, pass rate, complete or not), the feature x world
+Top to bottom: the headline (the verdicts, whose colours the page's banner takes, complete
+or not, pass rate, profiles), the feature x world
 size matrix coloured by outcome, the declared capabilities and the UNSUPPORTED cases, the
 expectations applied with their evidence, the environment, then every test, grouped by
 feature, each row expanding to its failure headline, per-rank outcomes, reproduce command
@@ -25,6 +26,7 @@ from conformance.statuses import (
     percent_text,
     worst_status,
 )
+from conformance.verdict import verdicts_of_report
 
 GENERATOR = "distconform conformance report"
 
@@ -53,22 +55,25 @@ def _headline(run: SavedRun) -> str:
     counts = run.counts()
     applied = sum(counts[s] for s in APPLIED_STATUSES)
     parts = []
+    verdict, profile_verdicts = verdicts_of_report(data)
+    if profile_verdicts:
+        # The verdict opens the page and sets its colours: a rate alone reads as a grade.
+        parts.append(
+            f'<p class="banner {verdict.tone}" id="verdict">{esc(verdict.line())}</p>'
+            '<ul class="verdicts">'
+            + "".join(
+                f'<li class="verdict {v.tone}">{esc(v.line())}</li>' for v in profile_verdicts
+            )
+            + "</ul>"
+        )
     incomplete = run.run_state().incomplete_line(len(run.tests))
     if incomplete:
         parts.append(f'<p class="banner bad" id="completeness">{esc(incomplete)}</p>')
     else:
         parts.append(
-            f'<p class="banner good" id="completeness">Complete: all {len(run.tests)} tests '
-            f"selected ran to their end.</p>"
+            f'<p class="banner neutral" id="completeness">Complete: all {len(run.tests)} '
+            f"tests selected ran to their end.</p>"
         )
-    for profile in data.get("profiles") or []:
-        if profile.get("required") and not profile.get("declared"):
-            missing = ", ".join(profile.get("missing_capabilities") or [])
-            parts.append(
-                f'<p class="banner bad">NOT CONFORMANT to {esc(profile["name"])}: '
-                f"{esc(run.implementation)} does not declare {esc(missing)}, which the profile "
-                f"requires</p>"
-            )
     parts.append(
         '<div class="headline">'
         f'<span class="rate" id="pass-rate">{esc(percent_text(run.percent()))}</span>'
@@ -79,7 +84,7 @@ def _headline(run: SavedRun) -> str:
     profiles = data.get("profiles") or []
     if profiles:
         rows = []
-        for profile in profiles:
+        for profile, profile_verdict in zip(profiles, profile_verdicts, strict=True):
             rate = (
                 "no pass rate: capabilities missing"
                 if profile.get("required") and not profile.get("declared")
@@ -93,6 +98,8 @@ def _headline(run: SavedRun) -> str:
                 [
                     f"<strong>{esc(profile['name'])}</strong><br>"
                     f'<span class="muted">{esc(profile.get("description", ""))}</span>',
+                    f'<span class="verdict {profile_verdict.tone}">'
+                    f"{esc(profile_verdict.status)}</span>",
                     "required" if profile.get("required") else "extension",
                     f"{profile.get('applied', 0)} of {profile.get('cases', 0)}",
                     esc(rate),
@@ -101,7 +108,7 @@ def _headline(run: SavedRun) -> str:
             )
         parts.append(
             table(
-                ["profile", "kind", "cases applied", "pass rate", "UNSUPPORTED"],
+                ["profile", "verdict", "kind", "cases applied", "pass rate", "UNSUPPORTED"],
                 rows,
                 cls="profiles",
             )

@@ -155,8 +155,12 @@ def judge_conformance(run: StepRun) -> Verdict:
     percent = report["summary"]["conformance_percent"]
     summary = ", ".join(f"{k} {v}" for k, v in counts.items() if v)
     summary += f"; {percent:.1f} %" if isinstance(percent, int | float) else f"; {percent}"
+    verdict = report.get("verdict") or {}
+    if verdict.get("line"):
+        summary = f"{verdict['line']}; {summary}"
     failures = [t for t in report["tests"] if t.get("status") == "FAIL"]
     details = {
+        "verdict": verdict.get("status"),
         "counts": counts,
         "complete": report["complete"],
         "failures": [

@@ -22,7 +22,7 @@ SCHEMA_FILE = Path(conformance.__file__).parent / "conformance.schema.json"
 # Paragraphs that open a section of the Markdown report: each must stand on its own at the
 # top level, never swallowed into the list above it.
 _SECTION = re.compile(
-    r"^(\*\*INCOMPLETE|\*\*NOT CONFORMANT|profiles \(|Run:|FAIL —|XPASS —|XFAIL —|"
+    r"^(\*\*INCOMPLETE|verdict: |profiles \(|Run:|FAIL —|XPASS —|XFAIL —|"
     r"UNSUPPORTED:|Not declared by the backend:|stale expectation:)"
 )
 

@@ -198,14 +198,15 @@ def test_a_missing_core_capability_withholds_the_percentage_and_is_named():
         declared=sorted(set(ALL_CAPABILITIES) - {"prefetch"}),
     )  # fmt: skip
     lines = built.terminal_lines()
-    assert lines[0] == (
-        "NOT CONFORMANT to fsdp2-core: acme does not declare prefetch, which the profile requires"
-    )
-    assert lines[2] == (
+    assert lines[:2] == [
+        "verdict: NOT CONFORMANT (to fsdp2-core)",
+        "  fsdp2-core: NOT CONFORMANT (does not declare prefetch)",
+    ]
+    assert lines[4] == (
         "  fsdp2-core (required): 2 of 3 cases applied, no pass rate (does not declare "
         "prefetch); UNSUPPORTED: 1 case needs prefetch"
     )
-    assert lines[-1].endswith("; NOT CONFORMANT to fsdp2-core")
+    assert lines[-1].startswith("verdict: NOT CONFORMANT (to fsdp2-core); conformance ")
     assert "100.0 %" in lines[-1]  # the overall figure stays, no longer alone
     (core,) = built.to_json()["profiles"]
     assert (core["name"], core["declared"], core["missing_capabilities"]) == (
@@ -216,7 +217,17 @@ def test_a_missing_core_capability_withholds_the_percentage_and_is_named():
     assert (core["cases"], core["applied"], core["pass_percent"]) == (3, 2, None)
     check_markdown(built.to_markdown())
     markdown = built.to_markdown().splitlines()
-    assert markdown[2].startswith("**NOT CONFORMANT to fsdp2-core**: acme does not declare")
+    assert markdown[2:5] == [
+        "verdict: **NOT CONFORMANT** (to fsdp2-core)",
+        "",
+        "- fsdp2-core: **NOT CONFORMANT** (does not declare prefetch)",
+    ]
+    assert built.to_json()["verdict"] == {
+        "name": "verdict",
+        "status": "NOT CONFORMANT",
+        "conformant": False,
+        "line": "verdict: NOT CONFORMANT (to fsdp2-core)",
+    }
 
 
 def test_extensions_get_their_own_line_with_grouped_unsupported_cases():
@@ -232,6 +243,11 @@ def test_extensions_get_their_own_line_with_grouped_unsupported_cases():
     )
     headline = built.headline_lines()
     assert headline == [
+        "verdict: NOT CONFORMANT (to fsdp2-core)",
+        "  fsdp2-core: NOT CONFORMANT (1 of 2 cases fail)",
+        "  cpu_offload: NOT CLAIMED (1 case UNSUPPORTED)",
+        "  hsdp: CONFORMANT",
+        "",
         "profiles (cases applied of those collected from the case table; pass rate over the "
         "applied ones):",
         "  fsdp2-core (required): 2 of 3 cases applied, pass rate 50.0 %; 1 SKIP",
@@ -324,8 +340,8 @@ def test_the_plugin_takes_profiles_from_the_hook_and_none_without_case_tied_test
     with_hook.assert_outcomes(passed=1)
     with_hook.stdout.fnmatch_lines(
         [
-            "NOT CONFORMANT to mini-core: * does not declare share_comm_ctx, which the profile "
-            "requires",
+            "verdict: NOT CONFORMANT (to mini-core)",
+            "  mini-core: NOT CONFORMANT (does not declare share_comm_ctx)",
             "*mini-core (required): 1 of 1 case applied, no pass rate "
             "(does not declare share_comm_ctx)",
         ]
@@ -372,9 +388,11 @@ def test_each_subject_counts_in_its_own_profiles_with_its_own_declaration():
     assert [t.nodeid for t in results["reduce_op.avg"].tests] == ["b::avg"]
     assert not results["fsdp2-core"].withheld  # the implementation declares its core
     assert results["c10d-core"].missing_capabilities == ["dtype.float32"]
-    assert built.not_conformant_lines() == [
-        "NOT CONFORMANT to c10d-core: vendorlink does not declare dtype.float32, which the "
-        "profile requires"
+    assert built.verdict_lines() == [
+        "verdict: NOT CONFORMANT (to c10d-core)",
+        "  fsdp2-core: CONFORMANT",
+        "  c10d-core: NOT CONFORMANT (1 of 2 cases fail)",
+        "  reduce_op.avg: CONFORMANT",
     ]
     assert built.title() == "acme and backend vendorlink"
     assert "- `dtype.float32`: why" in built.to_markdown()

@@ -219,7 +219,7 @@ def test_every_test_gets_its_status(vendor_run):
 def test_the_report_names_the_vendor_implementation_and_backend(vendor_run):
     done, report, root = vendor_run
     env = report["environment"]
-    assert (report["schema"], report["schema_version"]) == ("distconform-conformance", 5)
+    assert (report["schema"], report["schema_version"]) == ("distconform-conformance", 6)
     assert env["implementation"]["name"] == "acme-fsdp"
     assert env["implementation"]["spec"] == "acme_fsdp:implementation"
     assert env["implementation"]["capabilities"] == [
@@ -276,7 +276,11 @@ def test_the_terminal_shows_the_table_per_feature_and_world_size(vendor_run):
 
 def test_a_missing_core_capability_makes_the_run_not_conformant_to_fsdp2_core(vendor_run):
     done, report, root = vendor_run
-    verdict = "NOT CONFORMANT to fsdp2-core: acme-fsdp does not declare prefetch"
+    verdicts = [
+        "verdict: NOT CONFORMANT (to fsdp2-core)",
+        "  fsdp2-core: NOT CONFORMANT (does not declare prefetch)",
+        "  hsdp: NOT CLAIMED (2 cases UNSUPPORTED)",
+    ]
     core = (
         "fsdp2-core (required): 1 of 3 cases applied, no pass rate (does not declare "
         "prefetch); UNSUPPORTED: 2 cases need prefetch"
@@ -284,12 +288,13 @@ def test_a_missing_core_capability_makes_the_run_not_conformant_to_fsdp2_core(ve
     hsdp = "hsdp (extension): 0 of 2 cases applied; UNSUPPORTED: 2 cases need hsdp"
     # The headline opens the terminal summary, before the environment and the table.
     summary = done.stdout.split("= conformance =", 1)[1].splitlines()[1:]
-    assert summary[0].startswith(verdict), done.stdout
-    assert summary[2:4] == [f"  {core}", f"  {hsdp}"], done.stdout
-    last = next(line for line in reversed(summary) if line.startswith("conformance "))
-    assert last.endswith("; NOT CONFORMANT to fsdp2-core"), done.stdout
+    assert summary[:3] == verdicts, done.stdout
+    assert summary[5:7] == [f"  {core}", f"  {hsdp}"], done.stdout
+    last = next(line for line in reversed(summary) if line.startswith("verdict: "))
+    assert last.startswith("verdict: NOT CONFORMANT (to fsdp2-core); conformance "), done.stdout
+    assert report["verdict"]["status"] == "NOT CONFORMANT"
     markdown = (root / "report" / "conformance.md").read_text().splitlines()
-    assert markdown[2].startswith(f"**{verdict.replace(':', '**:', 1)}"), markdown[:8]
+    assert markdown[2] == "verdict: **NOT CONFORMANT** (to fsdp2-core)", markdown[:8]
     assert f"- {core.replace('fsdp2-core', '**fsdp2-core**', 1)}" in markdown
     profiles = {profile["name"]: profile for profile in report["profiles"]}
     assert list(profiles) == ["fsdp2-core", "hsdp"]  # tests outside the case table: in none

@@ -71,6 +71,10 @@ def _conformance(folder: Path, counts: dict[str, int], complete: bool = True) ->
             {
                 "complete": complete,
                 "summary": {"counts": counts, "conformance_percent": 50.0},
+                "verdict": {
+                    "status": "NOT CONFORMANT" if counts.get("FAIL") else "CONFORMANT",
+                    "line": "verdict: (as written by the run)",
+                },
                 "tests": tests if counts.get("FAIL") else [],
             }
         )
@@ -83,6 +87,8 @@ def test_conformance_judge_reads_the_report_not_the_exit_status(tmp_path):
     _conformance(tmp_path / "red", {"PASS": 9, "FAIL": 1})
     verdict = steps.judge_conformance(_run(tmp_path / "red", 0))
     assert verdict.status == FAIL
+    assert verdict.summary.startswith("verdict: (as written by the run); PASS 9, FAIL 1")
+    assert verdict.details["verdict"] == "NOT CONFORMANT"
     assert verdict.details["failures"] == [{"test": "suites/t.py::test_a[ws2]", "message": "boom"}]
     _conformance(tmp_path / "cut", {"PASS": 9}, complete=False)
     assert steps.judge_conformance(_run(tmp_path / "cut")).status == FAIL
