@@ -11,7 +11,8 @@ Cases are grouped by the ``# --- area ---`` comment lines of the table, in table
 the catalogue gives its description, the upstream test it mirrors, its world sizes, the
 capabilities it needs (also per grid value), what a CPU run does with it and the suite function
 that implements it (found by reading the module for ``@conformance("<id>")``, without importing
-it). The profiles come first, the generated one-capability extensions included.
+it). The profiles come first, the generated one-capability extensions included, then (in the
+implementation's catalogue) the public API coverage of ``suites/api_coverage.toml``.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from suites.api_coverage import COVERAGE_FILE, ApiRow, parse_coverage
 from suites.cases import (
     BACKEND,
     BACKEND_CASES_FILE,
@@ -180,6 +182,40 @@ def _profile_rows(profiles: Sequence[Profile]) -> list[str]:
     return lines
 
 
+def _coverage_section(rows: Sequence[ApiRow]) -> list[str]:
+    names = sum(len(row.names) for row in rows)
+    counts = {
+        status: sum(len(row.names) for row in rows if row.status == status)
+        for status in ("covered", "out of scope", "uncovered")
+    }
+    lines = [
+        "## Public API coverage",
+        "",
+        "Every public name of torch's FSDP2 in the releases distconform supports: "
+        "`torch.distributed.fsdp` (each function's arguments, each policy's fields, each "
+        "method of `FSDPModule` and `UnshardHandle`) and FSDP2's `replicate`, from "
+        "`suites/api_coverage.toml`. `tests/suites/test_api_coverage.py` fails when the "
+        "installed torch has a public name no row lists. "
+        f"{names} names: {counts['covered']} exercised by cases, {counts['out of scope']} out "
+        f"of scope, {counts['uncovered']} uncovered (what a case would have to check is "
+        "stated: no case passes them).",
+        "",
+        "| names | since | status | cases, or why not |",
+        "|---|---|---|---|",
+    ]
+    for row in rows:
+        if row.cases:
+            why = ", ".join(_code(case) for case in row.cases)
+        else:
+            why = row.out_of_scope or row.uncovered
+        names_cell = ", ".join(_code(name) for name in row.names)
+        status = row.status if row.cases else f"**{row.status}**"
+        lines.append(
+            "| " + " | ".join(_cell(c) for c in (names_cell, row.since, status, why)) + " |"
+        )
+    return [*lines, ""]
+
+
 def _anchor(title: str) -> str:
     """GitHub's heading anchor: lower case, punctuation dropped, spaces to hyphens."""
     return re.sub(r"[^\w\- ]", "", title.lower()).replace(" ", "-")
@@ -191,8 +227,10 @@ def render(
     *,
     suites_dir: Path = SUITES_DIR,
     subject: str = IMPLEMENTATION,
+    coverage: Sequence[ApiRow] = (),
 ) -> str:
-    """The catalogue for the table ``text`` whose parsed cases are ``cases``."""
+    """The catalogue for the table ``text`` whose parsed cases are ``cases``, with the
+    public API coverage ``coverage`` (the implementation's catalogue)."""
     known = known_capabilities(subject)
     profiles = with_extensions(parse_profiles(text, known_capabilities=known), known)
     who, capability_list, table = _SUBJECT_WORDS[subject]
@@ -233,6 +271,7 @@ def render(
         "",
         *_profile_rows(profiles),
         "",
+        *(_coverage_section(coverage) if coverage else []),
         "## Cases",
         "",
     ]
@@ -264,9 +303,11 @@ def render(
 
 def render_file(cases_file: Path = CASES_FILE, subject: str = IMPLEMENTATION) -> tuple[str, int]:
     """The catalogue for a case table file validated like the project's table (its suites are
-    looked up in ``suites/``), and its number of cases."""
+    looked up in ``suites/``; the implementation's with ``suites/api_coverage.toml``), and its
+    number of cases."""
     cases = read_cases(cases_file, subject)
-    return render(cases_file.read_text(), cases, subject=subject), len(cases)
+    coverage = parse_coverage(COVERAGE_FILE.read_text(), cases) if subject == IMPLEMENTATION else ()
+    return render(cases_file.read_text(), cases, subject=subject, coverage=coverage), len(cases)
 
 
 def _display(path: Path) -> str:

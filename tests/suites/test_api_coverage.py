@@ -1,0 +1,93 @@
+"""The public API coverage table (``suites/api_coverage.toml``): every public FSDP2 name of
+the installed torch has a row, every row tells the truth about this release, and the
+rows are validated against the case table."""
+
+from __future__ import annotations
+
+import pytest
+
+from harness.torch_window import installed_torch_version
+from suites.api_coverage import (
+    COVERAGE_FILE,
+    coverage_problems,
+    parse_coverage,
+    read_coverage,
+    release,
+)
+from suites.api_surface import public_surface
+from suites.cases import CASES_FILE, IMPLEMENTATION, read_cases
+
+CASES = read_cases(CASES_FILE, IMPLEMENTATION)
+
+
+def test_every_public_name_of_the_installed_torch_has_a_row():
+    rows = read_coverage(CASES)
+    assert coverage_problems(rows, public_surface(), installed_torch_version()) == []
+
+
+def test_the_surface_is_read_from_torch_not_from_the_table():
+    surface = set(public_surface())
+    # FSDP2's own objects are expanded; FSDP1's are listed by name only.
+    assert {"fully_shard(mesh)", "FSDPModule.unshard", "UnshardHandle.wait"} <= surface
+    assert {"MixedPrecisionPolicy.param_dtype", "CPUOffloadPolicy.pin_memory"} <= surface
+    assert {"replicate", "replicate(mesh)", "register_fsdp_forward_method(method_name)"} <= surface
+    assert "FullyShardedDataParallel" in surface
+    assert not any(name.startswith("FullyShardedDataParallel.") for name in surface)
+
+
+def test_a_name_a_new_release_adds_fails_until_a_row_lists_it():
+    rows = read_coverage(CASES)
+    surface = [*public_surface(), "FSDPModule.set_new_thing", "fully_shard(new_arg)"]
+    problems = coverage_problems(rows, surface, installed_torch_version())
+    assert [problem.split(":")[0] for problem in problems] == [
+        "FSDPModule.set_new_thing",
+        "fully_shard(new_arg)",
+    ]
+    assert "in no row of suites/api_coverage.toml" in problems[0]
+
+
+def test_a_row_claiming_a_name_this_release_lacks_fails():
+    rows = read_coverage(CASES)
+    surface = [name for name in public_surface() if name != "FSDPModule.reshard"]
+    (problem,) = coverage_problems(rows, surface, installed_torch_version())
+    assert problem.startswith("FSDPModule.reshard: listed for torch 2.11 and later")
+
+
+def test_since_dates_a_name_to_the_release_that_added_it():
+    rows = read_coverage(CASES)
+    until_2_14 = [name for row in rows if release(row.since) <= (2, 14) for name in row.names]
+    added_in_2_15 = sorted(name for row in rows if row.since == "2.15" for name in row.names)
+    assert "FSDPModule.finalize_backward" in added_in_2_15
+    assert coverage_problems(rows, until_2_14, (2, 14)) == []
+    missing = coverage_problems(rows, until_2_14, (2, 15))
+    assert [problem.split(":")[0] for problem in missing] == added_in_2_15
+
+
+ROW = """
+[[api]]
+names = ["fully_shard"]
+cases = ["fsdp.parity.single_group"]
+"""
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        (ROW.replace("fsdp.parity.single_group", "fsdp.nope"), "no case 'fsdp.nope'"),
+        (ROW + 'uncovered = "x"\n', "exactly one of cases, out_of_scope or uncovered"),
+        (ROW.replace('cases = ["fsdp.parity.single_group"]', ""), "exactly one of"),
+        (ROW + 'since = "2.9"\n', "not a release of the window"),
+        (ROW + 'sinse = "2.12"\n', "unknown keys"),
+        (ROW + ROW, "listed in an earlier row too"),
+        (ROW.replace('["fully_shard"]', "[]"), "names must be a non-empty list"),
+    ],
+)
+def test_rows_are_validated(text, message):
+    with pytest.raises(ValueError, match=message):
+        parse_coverage(text, CASES)
+
+
+def test_every_row_names_only_implemented_cases():
+    rows = read_coverage(CASES)
+    assert rows and all(CASES[case].suite for row in rows for case in row.cases)
+    assert COVERAGE_FILE.name == "api_coverage.toml"
