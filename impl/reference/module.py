@@ -115,6 +115,10 @@ class FSDPModule:
         if group is not None:
             group.gradient_divide_factor = factor
 
+    def set_reduce_scatter_divide_factor(self, factor: float) -> None:
+        """FSDP2's older name for :meth:`set_gradient_divide_factor`."""
+        self.set_gradient_divide_factor(factor)
+
     def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
         """Accepted for FSDP2's API; the reference always reduces with SUM and divides locally."""
         group = self._fsdp_state().group

@@ -299,6 +299,10 @@ class GroupControls:
         self._module.set_gradient_divide_factor(factor)
         self._set("divide_factor", factor, recurse=False)
 
+    def set_reduce_scatter_divide_factor(self, factor: float) -> None:
+        self._module.set_reduce_scatter_divide_factor(factor)
+        self._set("divide_factor", factor, recurse=False)
+
     def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
         self._module.set_force_sum_reduction_for_comms(enable)
         self._set("force_sum_reduction", enable, recurse=False)

@@ -11,6 +11,12 @@ numerics
 * ``ignore_gradient_sync``: ``set_requires_gradient_sync`` does nothing (every backward
   reduces);
 * ``ignore_divide_factor``: ``set_gradient_divide_factor`` does nothing;
+* ``ignore_reduce_scatter_divide_factor``: its older name ``set_reduce_scatter_divide_factor``
+  does nothing;
+* ``skip_post_divide``: the fp16/fp64 reduction leaves out its division after the SUM (the
+  gradients come out scaled by the post factor: 1 at world size 2, 2 at 4);
+* ``sum_before_divide``: the fp16/fp64 reduction sums before dividing (the same numbers until
+  the sum overflows);
 
 structure
 * ``never_reshard``: parameters stay unsharded after forward and backward, and ``reshard()``
@@ -38,9 +44,9 @@ the wire (numerics unchanged)
 and ``hidden_broken_gradient_sync``: ``ignore_gradient_sync`` with ``gradient_accumulation``
 left undeclared (the way to earn 100 % that profiles and refusal probes close).
 
-Load one with ``--impl tests.suites.broken:skip_grad_average``. The patch of
+Load one with ``--impl tests.suites.broken:skip_grad_average``. The patches of
 ``torch.distributed.reduce_scatter_single`` (``reduce_scatter_tensor`` before torch 2.13;
-``skip_grad_average``) is installed in the
+``skip_grad_average``, ``skip_post_divide``, ``sum_before_divide``) are installed in the
 rank processes of that session only, which exist for it alone.
 """
 
@@ -81,6 +87,58 @@ def _install_summing_reduce_scatter() -> None:
     name = torch_api.REDUCE_SCATTER_SINGLE
     if not getattr(getattr(dist, name), "summing", False):
         setattr(dist, name, _summing_reduce_scatter(getattr(dist, name)))
+
+
+def _overflow_safe_factors(world: int) -> tuple[int, float]:
+    # FSDP2's split of the default divisor for fp16/fp64: a power of two near sqrt(N) before
+    # the SUM, the rest after (2 and 1 at N=2, 2 and 2 at N=4).
+    pre = 1
+    while world % pre == 0 and world / pre > pre:
+        pre *= 2
+    return pre, world / pre
+
+
+def _reduce_scatter_wrapper(original: Callable, before: Callable, after: Callable) -> Callable:
+    """``original`` with ``before(input)`` and ``after(output)`` around each SUM reduce-scatter
+    of an overflow-safe dtype (fp16, fp64): the path that divides before and after the sum."""
+
+    @functools.wraps(original)
+    def reduce_scatter_single(output, input, *args, **kwargs):
+        op = kwargs.get("op", dist.ReduceOp.SUM)
+        if input.dtype not in (torch.float16, torch.float64) or op != dist.ReduceOp.SUM:
+            return original(output, input, *args, **kwargs)
+        world = dist.get_world_size()
+        before(input, world)
+        work = original(output, input, *args, **kwargs)
+        if work is not None:
+            work.wait()
+        after(output, world)
+        return work
+
+    reduce_scatter_single.wrapped = True  # type: ignore[attr-defined]
+    return reduce_scatter_single
+
+
+def _install_reduce_scatter_wrapper(before: Callable, after: Callable) -> None:
+    name = torch_api.REDUCE_SCATTER_SINGLE
+    if not getattr(getattr(dist, name), "wrapped", False):
+        setattr(dist, name, _reduce_scatter_wrapper(getattr(dist, name), before, after))
+
+
+def _skip_post_divide() -> None:
+    # Multiplying the input by the post factor leaves the sum as if never post-divided.
+    _install_reduce_scatter_wrapper(
+        lambda input, world: input.mul_(_overflow_safe_factors(world)[1]), lambda *_: None
+    )
+
+
+def _sum_before_divide() -> None:
+    # Undoing the pre-divide before the SUM and redoing it after: the same value where the
+    # plain sum fits in the dtype, inf where it does not.
+    _install_reduce_scatter_wrapper(
+        lambda input, world: input.mul_(_overflow_safe_factors(world)[0]),
+        lambda output, world: output.div_(_overflow_safe_factors(world)[0]),
+    )
 
 
 def _extra_all_reduce(module: nn.Module, args: Any) -> None:
@@ -172,6 +230,11 @@ _MODULE: dict[str, Callable[[nn.Module], None]] = {
     "skip_grad_average": lambda m: _install_summing_reduce_scatter(),
     "ignore_gradient_sync": lambda m: setattr(m, "set_requires_gradient_sync", _noop),
     "ignore_divide_factor": lambda m: setattr(m, "set_gradient_divide_factor", _noop),
+    "ignore_reduce_scatter_divide_factor": lambda m: setattr(
+        m, "set_reduce_scatter_divide_factor", _noop
+    ),
+    "skip_post_divide": lambda m: _skip_post_divide(),
+    "sum_before_divide": lambda m: _sum_before_divide(),
     "never_reshard": _never_reshard,
     "drop_hsdp_all_reduce": _drop_all_reduce,
     "always_communicate": lambda m: m.register_forward_pre_hook(_extra_all_reduce),
