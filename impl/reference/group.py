@@ -212,6 +212,14 @@ class ParamGroup:
             p.unsharded_param.register_post_accumulate_grad_hook(
                 lambda _param, index=index: on_grad_accumulated()(index)
             )
+        # state_dict() and load_state_dict() deal in the sharded parameters whatever state the
+        # group is in: it reshards first, on every module that registers one of its parameters
+        # (so a state dict of any submodule is sharded too). Weakly, for the same reason.
+        reshard = weakref.WeakMethod(self.reshard)
+        holders = {id(loc.module): loc.module for p in self.params for loc in p.locations}
+        for module in holders.values():
+            module.register_state_dict_pre_hook(lambda *_: reshard()())
+            module.register_load_state_dict_pre_hook(lambda *_: reshard()())
 
     # --- unshard / reshard -------------------------------------------------------------
 

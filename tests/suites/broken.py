@@ -26,6 +26,10 @@ structure
   world size 1;
 * ``ignore_ignored_params``: ``ignored_params`` is dropped, so those parameters are sharded,
   gathered and reduced like the rest;
+* ``state_dict_skips_reshard``: ``state_dict()`` while unsharded gives the registered plain
+  tensors, not the sharded DTensors;
+* ``load_into_unsharded``: ``load_state_dict()`` while unsharded copies into the unsharded
+  tensors only, which the next reshard drops;
 
 the wire (numerics unchanged)
 * ``ignore_forward_prefetch`` / ``ignore_backward_prefetch``: the explicit prefetch lists are
@@ -53,12 +57,14 @@ rank processes of that session only, which exist for it alone.
 from __future__ import annotations
 
 import functools
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from harness import torch_api
 from impl.api import Implementation, load_implementation
@@ -185,6 +191,40 @@ def _keep_first_post_optim_event(module: nn.Module) -> None:
     module.set_post_optim_event = set_post_optim_event
 
 
+def _holds_unsharded(module: nn.Module) -> bool:
+    params = [p for p in module.parameters()]
+    return bool(params) and not any(isinstance(p, DTensor) for p in params)
+
+
+def _state_dict_skips_reshard(module: nn.Module) -> None:
+    # The state dict built from whatever is registered: plain full tensors while unsharded.
+    original = module.state_dict
+
+    def state_dict(*args: Any, **kwargs: Any) -> Any:
+        if not _holds_unsharded(module):
+            return original(*args, **kwargs)
+        return OrderedDict((n, p.detach()) for n, p in module.named_parameters())
+
+    module.state_dict = state_dict
+
+
+def _load_into_unsharded(module: nn.Module) -> None:
+    # While unsharded, the loaded values are copied into the registered (unsharded) tensors
+    # only; the sharded parameters never see them.
+    original = module.load_state_dict
+
+    def load_state_dict(state_dict: Any, *args: Any, **kwargs: Any) -> Any:
+        if not _holds_unsharded(module):
+            return original(state_dict, *args, **kwargs)
+        with torch.no_grad():
+            for name, param in module.named_parameters():
+                value = state_dict[name]
+                param.copy_(value.full_tensor() if isinstance(value, DTensor) else value)
+        return None
+
+    module.load_state_dict = load_state_dict
+
+
 def _blocking_async_unshard(module: nn.Module) -> None:
     original = module.unshard
 
@@ -245,6 +285,8 @@ _MODULE: dict[str, Callable[[nn.Module], None]] = {
     "blocking_async_unshard": _blocking_async_unshard,
     "ignore_post_optim_event": lambda m: setattr(m, "set_post_optim_event", _noop),
     "stale_post_optim_event": _keep_first_post_optim_event,
+    "state_dict_skips_reshard": _state_dict_skips_reshard,
+    "load_into_unsharded": _load_into_unsharded,
 }
 
 BREAKAGES = (*_MODULE, *_KWARGS, "forward_method_once")

@@ -233,6 +233,20 @@ ROWS = [
         "gradient of",
     ),
     row(
+        "test_state_dict",
+        "test_state_dict_while_unsharded_is_sharded[ws2-how=raf_false_forward]",
+        "state_dict_skips_reshard_torch",
+        "not the sharded DTensor",
+        fast=True,
+    ),
+    row(
+        "test_state_dict",
+        "test_load_state_dict_while_unsharded_lands_in_the_sharded_parameters"
+        "[ws2-how=explicit_unshard]",
+        "load_into_unsharded",
+        "Tensor-likes are not close",
+    ),
+    row(
         "test_post_optim_event",
         "test_post_optim_event[ws2]",
         "ignore_post_optim_event",
