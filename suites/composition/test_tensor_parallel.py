@@ -30,6 +30,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from harness.comm import CommTracer
 from harness.parity import ReferenceModel, assert_losses_equal, assert_tensors_close
 from suites.cases import FAKE_DEVICE, conformance
 from suites.models import MLPStack, ModelArgs, Transformer
@@ -341,3 +342,103 @@ def test_math_attention_on_tp_activations_cannot_be_sharded_on_the_fake_device(r
     parallelize_transformer(model, rank_ctx.mesh(rank_ctx.world_size, ("tp",)))
     with pytest.raises(RuntimeError, match=r"got mixed torch\.Tensor and DTensor"):
         model(torch.randint(0, 8, (2, 16), device=rank_ctx.device))
+
+
+# --- the documented layouts and the collectives they imply -------------------------------------
+
+#: How ``mlp_stack_tp_plan`` splits each kind of parameter over tp (``ColwiseParallel`` shards
+#: the weight's rows and the bias, ``RowwiseParallel`` the weight's columns and replicates the
+#: bias): the dim of the full tensor tp splits, or None.
+TP_DIM = {"in_proj.weight": 0, "in_proj.bias": 0, "out_proj.weight": 1, "out_proj.bias": None}
+
+
+def expected_local(full_param: torch.Tensor, name: str, dp: tuple[int, int], tp: tuple[int, int]):
+    """This rank's local tensor under the documented layout: tp takes its chunk of the dim
+    its style splits, then fully_shard takes its dim-0 chunk of that over dp (strided when
+    both split dim 0). ``dp`` and ``tp`` are (coordinate, size)."""
+    tensor = full_param.detach()
+    tp_dim = TP_DIM[name.split(".", 1)[1]]
+    if tp_dim is not None:
+        tensor = torch.chunk(tensor, tp[1], dim=tp_dim)[tp[0]]
+    chunks = torch.chunk(tensor, dp[1], dim=0)
+    return chunks[dp[0]] if dp[0] < len(chunks) else tensor.new_empty((0, *tensor.shape[1:]))
+
+
+def padded_numel(tensor: torch.Tensor, parts: int) -> int:
+    """The per-rank numel of a dim-0 shard padded to equal parts (what the all-gather sends)."""
+    rows = tensor.shape[0]
+    per_row = tensor.numel() // max(rows, 1)
+    return -(-rows // parts) * per_row
+
+
+def assert_documented_layout(model, reference, what: str, dp, tp, *, grads: bool) -> None:
+    ref = dict(reference.named_parameters())
+    for name, param in model.named_parameters():
+        source = ref[name].grad if grads else ref[name]
+        value = param.grad if grads else param
+        expected = expected_local(source, name, dp, tp)
+        torch.testing.assert_close(
+            value.to_local().reshape(expected.shape),
+            expected,
+            msg=lambda m, n=name: (
+                f"{what} of {n!r} on (dp {dp[0]}, tp {tp[0]}): the local tensor is not the "
+                f"documented {('Colwise' if TP_DIM[n.split('.', 1)[1]] == 0 else 'Rowwise')}"
+                f"Parallel then fully_shard dim-0 chunk: {m}"
+            ),
+        )
+
+
+@conformance("fsdp.tp.layout")
+@pytest.mark.parametrize("mlp_dim", MLP_DIMS, ids=[f"dim={d}" for d in MLP_DIMS])
+def test_tp_layout_and_collectives(rank_ctx, impl, mlp_dim):
+    """Fails on ``tests.suites.broken:fsdp_over_dim1_torch`` (fully_shard splitting dim 1,
+    the same numbers: "the local tensor is not the documented ColwiseParallel then fully_shard
+    dim-0 chunk") and on ``always_communicate_torch`` (an all-reduce on the world group)."""
+    mesh = rank_ctx.mesh((2, 2), ("dp", "tp"))
+    dp = (mesh["dp"].get_local_rank(), mesh["dp"].size())
+    tp = (mesh["tp"].get_local_rank(), mesh["tp"].size())
+    torch.manual_seed(42)
+    with torch.device(rank_ctx.device):
+        model = MLPStack(mlp_dim)
+    reference = ReferenceModel(model, adam, group=mesh["dp"].get_group())
+    parallelize_module(model, mesh["tp"], mlp_stack_tp_plan())
+    tp_locals = {n: p.to_local().detach().clone() for n, p in model.named_parameters()}
+    for child in model:
+        impl.fully_shard(child, mesh=mesh["dp"], reshard_after_forward=False)
+    impl.fully_shard(model, mesh=mesh["dp"], reshard_after_forward=False)
+    assert_documented_layout(model, reference.module, "parameter", dp, tp, grads=False)
+
+    torch.manual_seed(42 + dp[0] + 1)
+    inp = torch.randn(8, mlp_dim, device=rank_ctx.device)
+    with CommTracer(mesh=mesh) as trace:
+        model(inp).sum().backward()
+    reference.forward_backward(lambda m: m(inp).sum())
+    assert_documented_layout(model, reference.module, "gradient", dp, tp, grads=True)
+
+    # fully_shard's traffic runs on dp only, one all-gather per group in forward (no reshard
+    # after forward: none in backward) of the tp-local shards, one reduce-scatter per group;
+    # tensor parallel's on tp only (all-reduces of partial outputs and input gradients).
+    misplaced = [
+        c.describe()
+        for c in trace.calls
+        if (c.kind in ("all_gather", "reduce_scatter") and c.group != "dp")
+        or (c.kind not in ("all_gather", "reduce_scatter") and c.group != "tp")
+    ]
+    assert not misplaced, (
+        "collectives on the wrong group (fully_shard's all-gathers and reduce-scatters belong "
+        "on dp, tensor parallel's all-reduces on tp):\n" + "\n".join(misplaced)
+    )
+    gathers = trace.select("all_gather", group="dp")
+    expected_sizes = [
+        sum(padded_numel(tp_locals[f"{index}.{name}"], dp[1]) for name in TP_DIM)
+        for index in range(len(model))
+    ]
+    assert [(c.phase, c.numel) for c in gathers] == [("forward", n) for n in expected_sizes], (
+        f"fully_shard's all-gathers (phase, per-rank numel) {[(c.phase, c.numel) for c in gathers]}"
+        f", expected one per MLP in forward of its tp-local padded shards "
+        f"{[('forward', n) for n in expected_sizes]}"
+    )
+    scatters = trace.select("reduce_scatter", group="dp")
+    assert len(scatters) == len(model), (
+        f"{len(scatters)} reduce-scatters on dp, expected one per MLP ({len(model)})"
+    )

@@ -37,6 +37,8 @@ the wire (numerics unchanged)
 * ``reverse_backward_prefetch``: the backward prefetch list is issued back to front;
 * ``no_implicit_prefetch``: each module's backward prefetch list is set to itself, which
   turns implicit backward prefetching off;
+* ``fsdp_over_dim1``: fully_shard splits every matrix along dim 1 instead of dim 0 (the
+  whole parameters, and so the numbers, stay the same);
 * ``int_reshard_as_true``: an int ``reshard_after_forward`` is passed on as ``True`` (the
   backward all-gather runs over the whole shard group);
 * ``ignore_reduce_dtype``: ``MixedPrecisionPolicy.reduce_dtype`` is dropped (gradients are
@@ -64,7 +66,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
 from harness import torch_api
 from impl.api import Implementation, load_implementation
@@ -263,6 +265,10 @@ _KWARGS: dict[str, Callable[[Any, dict[str, Any]], dict[str, Any]]] = {
     },
     "ignore_ignored_params": lambda impl, kw: {
         k: v for k, v in kw.items() if k != "ignored_params"
+    },
+    "fsdp_over_dim1": lambda impl, kw: {
+        **kw,
+        "shard_placement_fn": lambda param: Shard(1) if param.ndim > 1 else None,
     },
 }
 
