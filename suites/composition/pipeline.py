@@ -277,9 +277,11 @@ def build_pipeline(
     n_microbatches: int,
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = squared_error,
     impl: Implementation | None = None,
+    scale_grads: bool = False,
 ) -> Pipeline:
     """Cut ``layers`` into this rank's stages, apply ``distribute`` to each, and schedule them
-    with ``scale_grads=False`` (gradients are the sum over microbatches).
+    with ``scale_grads`` (False: gradients are the sum over microbatches; True: the schedule
+    divides them by the number of microbatches after the step).
 
     With ``impl``, stages whose modules it manages are ``DataParallelStage``s (accumulate
     without communication, reduce once per step); without, plain ``PipelineStage``s, which
@@ -307,7 +309,7 @@ def build_pipeline(
     schedule_class = SCHEDULES[layout.schedule]
     stage_arg = stages[0] if layout.schedule in SINGLE_STAGE_SCHEDULES else stages
     schedule = schedule_class(
-        stage_arg, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False
+        stage_arg, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=scale_grads
     )
     return Pipeline(layout, chunks, stages, schedule)
 
@@ -321,9 +323,9 @@ class MicrobatchReference:
 
     ``run(batches)`` takes one ``(inputs, labels)`` per replica, runs each microbatch forward
     and backward on a copy cast to ``compute_dtype`` (what a mixed-precision all-gather gives
-    the stage), sums the per-microbatch gradients in fp32 (``scale_grads=False``), divides by
-    the number of replicas (the data-parallel average) and returns each replica's
-    per-microbatch losses.
+    the stage), sums the per-microbatch gradients in fp32 (``scale_grads=False``; with
+    ``scale_grads`` the sum is divided by the number of microbatches), divides by the number
+    of replicas (the data-parallel average) and returns each replica's per-microbatch losses.
     """
 
     model: nn.Module
@@ -331,6 +333,7 @@ class MicrobatchReference:
     compute_dtype: torch.dtype = torch.float32
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = squared_error
     losses: list[list[torch.Tensor]] = field(default_factory=list)
+    scale_grads: bool = False
 
     def run(self, batches: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> list[list[torch.Tensor]]:
         compute = copy.deepcopy(self.model).to(self.compute_dtype)
@@ -349,8 +352,9 @@ class MicrobatchReference:
                     if p.grad is not None:
                         summed[name] += p.grad.to(summed[name].dtype)
             losses.append(replica_losses)
+        divisor = len(batches) * (self.n_microbatches if self.scale_grads else 1)
         for name, p in self.model.named_parameters():
-            p.grad = summed[name] / len(batches)
+            p.grad = summed[name] / divisor
         return losses
 
 

@@ -233,17 +233,97 @@ def test_pipeline_reduces_once_per_step(rank_ctx, impl, schedule, data_parallel)
             optimizer.zero_grad(set_to_none=True)
 
 
-def check_executed_order(schedule: str, layout: PipelineLayout, executed: ExecutedOrder) -> None:
+def check_executed_order(
+    schedule: str,
+    layout: PipelineLayout,
+    executed: ExecutedOrder,
+    n_microbatches: int = N_MICROBATCHES,
+) -> None:
     (stage_index,) = layout.stage_indices()
     if schedule == "1F1B":
-        expected = one_f_one_b_order(stage_index, layout.num_stages, N_MICROBATCHES)
+        expected = one_f_one_b_order(stage_index, layout.num_stages, n_microbatches)
     else:
-        expected = gpipe_order(N_MICROBATCHES)
+        expected = gpipe_order(n_microbatches)
     actual = executed.actions[stage_index]
     assert actual == expected, (
         f"{schedule} stage {stage_index} of {layout.num_stages} executed {' '.join(actual)}; "
         f"expected {' '.join(expected)}"
     )
+
+
+# --- microbatches other than stages, gradients scaled by the schedule -----------------------
+
+#: ``microbatches=`` grid values: fewer or more microbatches than the schedule has stages
+#: (2 stages for GPipe and 1F1B on 2 pipeline ranks, 4 for the interleaved ones).
+MICROBATCHES = {"fewer": {2: 1, 4: 2}, "more": {2: 6, 4: 6}}
+
+
+def scaling_grid() -> list:
+    grid = []
+    for schedule in ("GPipe", "1F1B", "Interleaved1F1B"):
+        for microbatches in MICROBATCHES:
+            if (schedule, microbatches) == ("1F1B", "fewer"):
+                continue  # torch's 1F1B refuses fewer microbatches than stages
+            grid.append(
+                pytest.param(schedule, microbatches, id=f"{schedule}-microbatches={microbatches}")
+            )
+    return grid
+
+
+@conformance("pp.microbatch_scaling")
+@pytest.mark.parametrize(("schedule", "microbatches"), scaling_grid())
+def test_microbatches_other_than_stages_scale_by_microbatches(
+    rank_ctx, impl, schedule, microbatches
+):
+    """With ``scale_grads=True`` every stage gradient is the mean over the microbatches (then
+    the data-parallel average), whatever the number of stages; each single-stage schedule
+    still runs its order. Fails on ``tests.suites.broken:pipeline_scales_by_stages`` (the
+    stages divide by the number of stages: "gradient of ... differs" when microbatches !=
+    stages), which the equal counts of the other pipeline cases cannot see."""
+    dp_size = rank_ctx.world_size // PP_SIZE
+    mesh = rank_ctx.mesh((dp_size, PP_SIZE), ("dp", "pp"))
+    dp_rank = mesh["dp"].get_local_rank()
+    layout = PipelineLayout(schedule, mesh["pp"].get_local_rank(), PP_SIZE, N_LAYERS)
+    n_microbatches = MICROBATCHES[microbatches][layout.num_stages]
+    assert n_microbatches != layout.num_stages
+    torch.manual_seed(42)
+    with torch.device(rank_ctx.device):
+        layers = layer_stack(lambda: MLPModule(DIM), N_LAYERS)
+    reference = MicrobatchReference(
+        whole_model(copy.deepcopy(layers)), n_microbatches, scale_grads=True
+    )
+    pipeline = build_pipeline(
+        layers,
+        layout,
+        distribute=data_parallel_per_layer(impl, "fully_shard", mesh["dp"], None),
+        pp_group=mesh["pp"].get_group(),
+        device=rank_ctx.device,
+        n_microbatches=n_microbatches,
+        impl=impl,
+        scale_grads=True,
+    )
+    executed = ExecutedOrder()
+    for stage in pipeline.stages:
+        executed.install(stage)
+    batches = replica_batches(
+        0, dp_size, n_microbatches * MICROBATCH_ROWS, DIM, torch.float32, rank_ctx.device
+    )
+    inputs, labels = batches[dp_rank]
+    losses = pipeline.step(inputs, labels)
+    reference_losses = reference.run(batches)[dp_rank]
+    if layout.is_last_rank:
+        assert len(losses) == n_microbatches, f"{len(losses)} losses for {n_microbatches}"
+        for index, (loss, expected) in enumerate(zip(losses, reference_losses, strict=True)):
+            assert_tensors_close(f"loss of microbatch {index}", loss.detach(), expected)
+    problems = gradient_mismatches(
+        pipeline.named_parameters(), reference.model, rtol=1e-4, atol=1e-5
+    )
+    assert not problems, (
+        f"{n_microbatches} microbatches over {layout.num_stages} stages, scale_grads=True "
+        f"(expected: the mean over microbatches):\n" + "\n".join(problems)
+    )
+    if schedule in SINGLE_STAGE_SCHEDULES:
+        check_executed_order(schedule, layout, executed, n_microbatches)
 
 
 # --- TP + DP + PP -------------------------------------------------------------------------------

@@ -26,6 +26,8 @@ structure
   world size 1;
 * ``ignore_ignored_params``: ``ignored_params`` is dropped, so those parameters are sharded,
   gathered and reduced like the rest;
+* ``pipeline_scales_by_stages``: pipeline stages divide the step's gradients by the number
+  of stages, not of microbatches;
 * ``state_dict_skips_reshard``: ``state_dict()`` while unsharded gives the registered plain
   tensors, not the sharded DTensors;
 * ``load_into_unsharded``: ``load_state_dict()`` while unsharded copies into the unsharded
@@ -66,6 +68,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.pipelining import PipelineStage
 from torch.distributed.tensor import DTensor, Shard
 
 from harness import torch_api
@@ -193,6 +196,20 @@ def _keep_first_post_optim_event(module: nn.Module) -> None:
     module.set_post_optim_event = set_post_optim_event
 
 
+def _install_scale_by_stages() -> None:
+    # A pipeline integration that divides the step's gradients by its number of stages
+    # instead of the factor the schedule passes (its number of microbatches).
+    if getattr(PipelineStage.scale_grads, "by_stages", False):
+        return
+    original = PipelineStage.scale_grads
+
+    def scale_grads(self: Any, grad_scale_factor: int) -> None:
+        original(self, self.num_stages)
+
+    scale_grads.by_stages = True  # type: ignore[attr-defined]
+    PipelineStage.scale_grads = scale_grads
+
+
 def _holds_unsharded(module: nn.Module) -> bool:
     params = [p for p in module.parameters()]
     return bool(params) and not any(isinstance(p, DTensor) for p in params)
@@ -291,6 +308,7 @@ _MODULE: dict[str, Callable[[nn.Module], None]] = {
     "blocking_async_unshard": _blocking_async_unshard,
     "ignore_post_optim_event": lambda m: setattr(m, "set_post_optim_event", _noop),
     "stale_post_optim_event": _keep_first_post_optim_event,
+    "pipeline_scales_by_stages": lambda m: _install_scale_by_stages(),
     "state_dict_skips_reshard": _state_dict_skips_reshard,
     "load_into_unsharded": _load_into_unsharded,
 }

@@ -246,6 +246,12 @@ ROWS = [
         "collectives on the wrong group",
     ),
     row(
+        "composition/test_pipeline",
+        "test_microbatches_other_than_stages_scale_by_microbatches[ws4-1F1B-microbatches=more]",
+        "pipeline_scales_by_stages_torch",
+        "6 microbatches over 2 stages, scale_grads=True",
+    ),
+    row(
         "test_state_dict",
         "test_state_dict_while_unsharded_is_sharded[ws2-how=raf_false_forward]",
         "state_dict_skips_reshard_torch",
