@@ -1,12 +1,13 @@
-"""Which conformance cases exercise each public name of torch's FSDP2.
+"""Which conformance cases exercise each public name of torch's FSDP2, and of c10d.
 
 ``suites/api_coverage.toml`` gives, for every public name of ``torch.distributed.fsdp`` (and
 FSDP2's ``replicate``) in each release of the window, the cases that exercise it, or why it
-is out of scope, or the gap no case fills yet, stated. A vendor reads it (rendered into
-``docs/cases.md``) to know what "conformant" covers; :func:`coverage_problems` holds it to
-the installed torch's surface (:mod:`suites.api_surface`), so a name a new release adds fails
-the tests until a row lists it. Nothing here imports torch: the catalogue renders the table
-on any machine.
+is out of scope, or the gap no case fills yet, stated; ``suites/backend/api_coverage.toml``
+does the same for ``torch.distributed.distributed_c10d`` against the backend cases. A vendor
+reads them (rendered into ``docs/cases.md`` and ``docs/backend-cases.md``) to know what
+"conformant" covers; :func:`coverage_problems` holds each to the installed torch's surface
+(:mod:`suites.api_surface`), so a name a new release adds fails the tests until a row lists
+it. Nothing here imports torch: the catalogue renders the tables on any machine.
 """
 
 from __future__ import annotations
@@ -20,8 +21,9 @@ from harness.torch_window import SUPPORTED_TORCH, Version
 from suites.cases import Case
 
 COVERAGE_FILE = Path(__file__).resolve().parent / "api_coverage.toml"
+BACKEND_COVERAGE_FILE = Path(__file__).resolve().parent / "backend" / "api_coverage.toml"
 FIRST_RELEASE = "2.11"
-_KEYS = {"names", "cases", "out_of_scope", "uncovered", "since"}
+_KEYS = {"names", "cases", "out_of_scope", "uncovered", "since", "build"}
 _VERDICTS = ("cases", "out_of_scope", "uncovered")
 
 
@@ -34,6 +36,9 @@ class ApiRow:
     out_of_scope: str = ""
     uncovered: str = ""
     since: str = FIRST_RELEASE
+    #: Set for names only some builds of a release have (NCCL's classes in CUDA builds): the
+    #: builds, and their absence from the installed torch is no error.
+    build: str = ""
 
     @property
     def status(self) -> str:
@@ -89,6 +94,7 @@ def parse_coverage(text: str, cases: Mapping[str, Case]) -> list[ApiRow]:
                 out_of_scope=str(raw.get("out_of_scope") or ""),
                 uncovered=str(raw.get("uncovered") or ""),
                 since=since,
+                build=str(raw.get("build") or ""),
             )
         )
     return rows
@@ -98,19 +104,30 @@ def read_coverage(cases: Mapping[str, Case], path: Path = COVERAGE_FILE) -> list
     return parse_coverage(path.read_text(), cases)
 
 
-def coverage_problems(rows: Iterable[ApiRow], surface: Iterable[str], torch: Version) -> list[str]:
-    """What the table gets wrong about a torch whose surface is ``surface``: names it does
+def display_path(path: Path) -> str:
+    """``path`` as the repository names it (``suites/...``)."""
+    parts = path.resolve().parts
+    return "/".join(parts[parts.index("suites") :]) if "suites" in parts else str(path)
+
+
+def coverage_problems(
+    rows: Iterable[ApiRow],
+    surface: Iterable[str],
+    torch: Version,
+    table: Path = COVERAGE_FILE,
+) -> list[str]:
+    """What ``table`` gets wrong about a torch whose surface is ``surface``: names it does
     not list, and names it claims for this release that the release lacks."""
     rows = list(rows)
     listed = {name: row for row in rows for name in row.names}
     present = set(surface)
     problems = [
-        f"{name}: public in torch {torch[0]}.{torch[1]} but in no row of suites/api_coverage.toml "
+        f"{name}: public in torch {torch[0]}.{torch[1]} but in no row of {display_path(table)} "
         f"(add it with the cases that exercise it, or why it is out of scope or uncovered)"
         for name in sorted(present - set(listed))
     ]
     for name, row in sorted(listed.items()):
-        if name not in present and release(row.since) <= torch:
+        if name not in present and release(row.since) <= torch and not row.build:
             problems.append(
                 f"{name}: listed for torch {row.since} and later, but torch "
                 f"{torch[0]}.{torch[1]} does not have it (fix its row's since)"

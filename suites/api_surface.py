@@ -1,11 +1,12 @@
-"""The public FSDP2 surface of the installed torch, spelled as ``suites/api_coverage.toml``
-spells it.
+"""The public FSDP2 and c10d surfaces of the installed torch, spelled as the coverage tables
+(``suites/api_coverage.toml``, ``suites/backend/api_coverage.toml``) spell them.
 
-Each name of ``torch.distributed.fsdp.__all__``; for FSDP2's own objects (those whose
+FSDP2: each name of ``torch.distributed.fsdp.__all__``; for FSDP2's own objects (those whose
 ``__module__`` is the public ``torch.distributed.fsdp``: FSDP1's name its submodules) each
 argument of a function, each field of a dataclass and each public method a class defines;
 and FSDP2's ``replicate`` with its arguments (no public import path in the window: it comes
-through the audited :func:`impl._torch_private.torch_replicate`).
+through the audited :func:`impl._torch_private.torch_replicate`). c10d: each name of
+``torch.distributed.distributed_c10d.__all__``, what ``torch.distributed`` exports of it.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import dataclasses
 import inspect
 from collections.abc import Iterator
 
+import torch.distributed.distributed_c10d as c10d
 import torch.distributed.fsdp as fsdp
 
 from impl import _torch_private
@@ -43,3 +45,8 @@ def public_surface() -> list[str]:
     names.append("replicate")
     names += members("replicate", _torch_private.torch_replicate())
     return names
+
+
+def c10d_surface() -> list[str]:
+    """Every public name of the installed torch's c10d Python API."""
+    return list(c10d.__all__)

@@ -11,8 +11,8 @@ Cases are grouped by the ``# --- area ---`` comment lines of the table, in table
 the catalogue gives its description, the upstream test it mirrors, its world sizes, the
 capabilities it needs (also per grid value), what a CPU run does with it and the suite function
 that implements it (found by reading the module for ``@conformance("<id>")``, without importing
-it). The profiles come first, the generated one-capability extensions included, then (in the
-implementation's catalogue) the public API coverage of ``suites/api_coverage.toml``.
+it). The profiles come first, the generated one-capability extensions included, then the
+public API coverage (``suites/api_coverage.toml``, ``suites/backend/api_coverage.toml``).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from suites.api_coverage import COVERAGE_FILE, ApiRow, parse_coverage
+from suites.api_coverage import BACKEND_COVERAGE_FILE, COVERAGE_FILE, ApiRow, parse_coverage
 from suites.cases import (
     BACKEND,
     BACKEND_CASES_FILE,
@@ -182,7 +182,25 @@ def _profile_rows(profiles: Sequence[Profile]) -> list[str]:
     return lines
 
 
-def _coverage_section(rows: Sequence[ApiRow]) -> list[str]:
+#: subject -> (its coverage table, what the table lists).
+COVERAGE = {
+    IMPLEMENTATION: (
+        COVERAGE_FILE,
+        "Every public name of torch's FSDP2 in the releases distconform supports: "
+        "`torch.distributed.fsdp` (each function's arguments, each policy's fields, each "
+        "method of `FSDPModule` and `UnshardHandle`) and FSDP2's `replicate`, from "
+        "`suites/api_coverage.toml`.",
+    ),
+    BACKEND: (
+        BACKEND_COVERAGE_FILE,
+        "Every public name of torch's c10d Python API "
+        "(`torch.distributed.distributed_c10d.__all__`) in the releases distconform supports, "
+        "from `suites/backend/api_coverage.toml`.",
+    ),
+}
+
+
+def _coverage_section(rows: Sequence[ApiRow], subject: str) -> list[str]:
     names = sum(len(row.names) for row in rows)
     counts = {
         status: sum(len(row.names) for row in rows if row.status == status)
@@ -191,10 +209,7 @@ def _coverage_section(rows: Sequence[ApiRow]) -> list[str]:
     lines = [
         "## Public API coverage",
         "",
-        "Every public name of torch's FSDP2 in the releases distconform supports: "
-        "`torch.distributed.fsdp` (each function's arguments, each policy's fields, each "
-        "method of `FSDPModule` and `UnshardHandle`) and FSDP2's `replicate`, from "
-        "`suites/api_coverage.toml`. `tests/suites/test_api_coverage.py` fails when the "
+        f"{COVERAGE[subject][1]} `tests/suites/test_api_coverage.py` fails when the "
         "installed torch has a public name no row lists. "
         f"{names} names: {counts['covered']} exercised by cases, {counts['out of scope']} out "
         f"of scope, {counts['uncovered']} uncovered (what a case would have to check is "
@@ -210,9 +225,8 @@ def _coverage_section(rows: Sequence[ApiRow]) -> list[str]:
             why = row.out_of_scope or row.uncovered
         names_cell = ", ".join(_code(name) for name in row.names)
         status = row.status if row.cases else f"**{row.status}**"
-        lines.append(
-            "| " + " | ".join(_cell(c) for c in (names_cell, row.since, status, why)) + " |"
-        )
+        since = f"{row.since} ({row.build})" if row.build else row.since
+        lines.append("| " + " | ".join(_cell(c) for c in (names_cell, since, status, why)) + " |")
     return [*lines, ""]
 
 
@@ -230,7 +244,7 @@ def render(
     coverage: Sequence[ApiRow] = (),
 ) -> str:
     """The catalogue for the table ``text`` whose parsed cases are ``cases``, with the
-    public API coverage ``coverage`` (the implementation's catalogue)."""
+    public API coverage ``coverage``."""
     known = known_capabilities(subject)
     profiles = with_extensions(parse_profiles(text, known_capabilities=known), known)
     who, capability_list, table = _SUBJECT_WORDS[subject]
@@ -271,7 +285,7 @@ def render(
         "",
         *_profile_rows(profiles),
         "",
-        *(_coverage_section(coverage) if coverage else []),
+        *(_coverage_section(coverage, subject) if coverage else []),
         "## Cases",
         "",
     ]
@@ -303,10 +317,9 @@ def render(
 
 def render_file(cases_file: Path = CASES_FILE, subject: str = IMPLEMENTATION) -> tuple[str, int]:
     """The catalogue for a case table file validated like the project's table (its suites are
-    looked up in ``suites/``; the implementation's with ``suites/api_coverage.toml``), and its
-    number of cases."""
+    looked up in ``suites/``; with its public API coverage table), and its number of cases."""
     cases = read_cases(cases_file, subject)
-    coverage = parse_coverage(COVERAGE_FILE.read_text(), cases) if subject == IMPLEMENTATION else ()
+    coverage = parse_coverage(COVERAGE[subject][0].read_text(), cases)
     return render(cases_file.read_text(), cases, subject=subject, coverage=coverage), len(cases)
 
 

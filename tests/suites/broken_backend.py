@@ -31,6 +31,9 @@ BREAKAGES = {
     "ignored_tags": "send and recv ignore their tags (messages match in posting order)",
     "late_timeout": "a collective times out after 4.5 times the group's timeout",
     "coalesced_first_only": "allreduce_coalesced reduces only the first tensor",
+    "storage_order_gather": "all_gather_single reads a non-contiguous input in storage order",
+    "offset_blind_reduce_scatter": "reduce_scatter_single reads its input from the start of "
+    "its storage, ignoring the storage offset",
 }
 
 
@@ -138,6 +141,8 @@ class WrappedGloo(dist.ProcessGroup):
 
     def reduce_scatter_single(self, output: Any, input: Any, opts: Any = None) -> dist.Work:
         self._settle()
+        if self._breakage == "offset_blind_reduce_scatter" and input.storage_offset():
+            input = input.as_strided(input.shape, input.stride(), 0)
         if self._breakage == "rotated_blocks" and input.numel():
             input = input.reshape(self.size(), -1).roll(-1, dims=0).reshape(input.shape)
         return self._inner._reduce_scatter_base(output, input, opts or dist.ReduceScatterOptions())
@@ -165,6 +170,9 @@ class WrappedGloo(dist.ProcessGroup):
 
     def all_gather_single(self, output: Any, input: Any, opts: Any = None) -> dist.Work:
         self._settle()
+        if self._breakage == "storage_order_gather" and not input.is_contiguous():
+            dense = input.as_strided((input.numel(),), (1,), input.storage_offset())
+            input = dense.view(input.shape)
         work = self._inner._allgather_base(output, input, opts or AllgatherOptions())
         if self._breakage != "dropped_tail" or output.numel() == 0:
             return work

@@ -1,6 +1,7 @@
-"""The public API coverage table (``suites/api_coverage.toml``): every public FSDP2 name of
-the installed torch has a row, every row tells the truth about this release, and the
-rows are validated against the case table."""
+"""The public API coverage tables (``suites/api_coverage.toml`` for FSDP2,
+``suites/backend/api_coverage.toml`` for c10d): every public name of the installed torch has a
+row, every row tells the truth about this release, and the rows are validated against the
+case table."""
 
 from __future__ import annotations
 
@@ -8,21 +9,39 @@ import pytest
 
 from harness.torch_window import installed_torch_version
 from suites.api_coverage import (
+    BACKEND_COVERAGE_FILE,
     COVERAGE_FILE,
     coverage_problems,
     parse_coverage,
     read_coverage,
     release,
 )
-from suites.api_surface import public_surface
-from suites.cases import CASES_FILE, IMPLEMENTATION, read_cases
+from suites.api_surface import c10d_surface, public_surface
+from suites.cases import BACKEND, BACKEND_CASES_FILE, CASES_FILE, IMPLEMENTATION, read_cases
 
 CASES = read_cases(CASES_FILE, IMPLEMENTATION)
+BACKEND_CASES = read_cases(BACKEND_CASES_FILE, BACKEND)
 
 
 def test_every_public_name_of_the_installed_torch_has_a_row():
     rows = read_coverage(CASES)
     assert coverage_problems(rows, public_surface(), installed_torch_version()) == []
+
+
+def test_every_public_c10d_name_of_the_installed_torch_has_a_row():
+    rows = read_coverage(BACKEND_CASES, BACKEND_COVERAGE_FILE)
+    torch = installed_torch_version()
+    assert coverage_problems(rows, c10d_surface(), torch, BACKEND_COVERAGE_FILE) == []
+    new = coverage_problems(rows, [*c10d_surface(), "all_reduce_v2"], torch, BACKEND_COVERAGE_FILE)
+    assert new == [
+        f"all_reduce_v2: public in torch {torch[0]}.{torch[1]} but in no row of "
+        "suites/backend/api_coverage.toml (add it with the cases that exercise it, or why it "
+        "is out of scope or uncovered)"
+    ]
+    # A class only CUDA builds have is never missing; one every build has is.
+    cpu_build = [n for n in c10d_surface() if n not in ("ProcessGroupNCCL", "all_reduce")]
+    (missing,) = coverage_problems(rows, cpu_build, torch, BACKEND_COVERAGE_FILE)
+    assert missing.startswith("all_reduce: listed for torch 2.11 and later")
 
 
 def test_the_surface_is_read_from_torch_not_from_the_table():

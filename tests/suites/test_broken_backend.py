@@ -4,8 +4,9 @@ complaint that names the bug, and passes the same items on the unbroken wrapper.
 Each row runs one backend-suite item in a child ``python -m pytest`` with
 ``--backend-plugin tests.suites.broken_backend --backend <breakage>_gloo`` and gloo's own
 declaration under that name (the wrapper supports what gloo does). Every test module of the
-suite has a row; ``test_non_contiguous``, the precision contract, gather of complex64 and
-abort fail on gloo itself (``suites/backend/expectations/gloo.toml``).
+suite has a row; strided all_reduce, broadcast and reduce_scatter (list form), the
+precision contract, gather of complex64 and abort fail on gloo itself
+(``suites/backend/expectations/gloo.toml``).
 """
 
 from __future__ import annotations
@@ -92,6 +93,19 @@ ROWS = [
         "coalesced_first_only",
         "test_async.py::test_coalesced_calls[ws2-dtype=float32]",
         "allreduce_coalesced #1",
+    ),
+    # gloo gathers a transposed input right: only a storage-order read gets it wrong.
+    row(
+        "storage_order_gather",
+        "test_non_contiguous.py::test_non_dense_tensors_give_the_right_result_or_a_contiguity_error"
+        "[ws3-operation=all_gather-form=single-layout=transposed]",
+        "all_gather_single, input and output",
+    ),
+    row(
+        "offset_blind_reduce_scatter",
+        "test_non_contiguous.py::test_non_dense_tensors_give_the_right_result_or_a_contiguity_error"
+        "[ws2-operation=reduce_scatter-form=single-layout=offset]",
+        "reduce_scatter_single, input and output",
     ),
 ]
 
