@@ -76,8 +76,9 @@ class Check:
         return [t.view(rows, COLS) for t in flat]
 
     def blank(self, expected: torch.Tensor) -> torch.Tensor:
-        """A tensor to be written, in the layout, differing from ``expected`` everywhere."""
-        return self.lay(unlike(expected))
+        """A tensor to be written, on the rank's device, in the layout, differing from
+        ``expected`` everywhere."""
+        return self.lay(unlike(expected, self.device))
 
 
 def _block(tensor: torch.Tensor, rank: int) -> torch.Tensor:
