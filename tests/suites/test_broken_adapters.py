@@ -49,6 +49,19 @@ ROWS = [
         "ignore_gradient_sync",
         "collectives",
     ),
+    # Quick items of the accumulation and 1F1B grids, so --quick fails these adapters too.
+    row(
+        "test_gradient_accumulation",
+        "test_gradient_accumulation[ws2-mesh=1d-raf=True-mode=some_mlps-rab=True-offload=cpu-rso=False]",
+        "ignore_gradient_sync",
+        "collectives",
+    ),
+    row(
+        "test_microbatching",
+        "test_1f1b_microbatching[ws2-explicit_unshard=True-rab=False]",
+        "skip_grad_average",
+        "gradient of",
+    ),
     row(
         "test_registration",
         "test_param_registration_after_backward[ws4-groups=multi-raf=True]",
