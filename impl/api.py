@@ -50,6 +50,7 @@ KNOWN_CAPABILITIES = frozenset(
         "activation_checkpointing",  # composition with activation checkpointing
         "ignored_params",  # fully_shard(ignored_params=...): left unsharded and unsynchronized
         "reset_iter_state",  # FSDPModule.reset_iter_state() after an exception mid-step
+        "all_reduce_hook",  # FSDPModule.set_all_reduce_hook: a hook on each reduced gradient
     }
 )
 

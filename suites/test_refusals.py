@@ -123,6 +123,12 @@ def probe_ignored_params(rank_ctx, impl, model: nn.Module) -> None:
     train_once(model, rank_ctx.device)
 
 
+def probe_all_reduce_hook(rank_ctx, impl, model: nn.Module) -> None:
+    impl.fully_shard(model)
+    model.set_all_reduce_hook(lambda reduced: None)
+    train_once(model, rank_ctx.device)
+
+
 #: capability -> (how to use it, words one of which the error must contain, lower case)
 PROBES: dict[str, tuple[Probe, tuple[str, ...]]] = {
     "replicate": (probe_replicate, ("replicate",)),
@@ -145,6 +151,7 @@ PROBES: dict[str, tuple[Probe, tuple[str, ...]]] = {
     "share_comm_ctx": (probe_share_comm_ctx, ("share_comm_ctx", "comm ctx", "comm_ctx")),
     "tp": (probe_tp, ("tensor parallel", "dtensor", "tp")),
     "ignored_params": (probe_ignored_params, ("ignored_params", "ignored")),
+    "all_reduce_hook": (probe_all_reduce_hook, ("all_reduce_hook", "hook")),
 }
 
 

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import math
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -147,6 +148,8 @@ class ParamGroup:
         self.requires_all_reduce = True  # the replicate dim's all-reduce (HSDP, replicate)
         self.unshard_async_op = False
         self.gradient_divide_factor: float | None = None
+        # Called with each reduced flat gradient before the division after the sum.
+        self.all_reduce_hook: Callable[[torch.Tensor], None] | None = None
         # Kept for the API: every reduction here is a SUM already (see collectives.py).
         self.force_sum_reduction_for_comms = False
         # Communication in unshard happens only when parameters are split over several ranks.
@@ -452,6 +455,8 @@ class ParamGroup:
                 return None
             if self.replicate_size > 1:
                 collectives.all_reduce_sum(reduced, self.replicate_group)
+        if self.all_reduce_hook is not None:
+            self.all_reduce_hook(reduced)
         if post_divide != 1:
             reduced.div_(post_divide)
         return reduced.to(self.sharded_device, self.orig_dtype)

@@ -7,9 +7,10 @@ looks up the module's ``FSDPState``.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
+import torch
 from torch import nn
 
 from impl.reference.group import UnshardHandle
@@ -118,6 +119,18 @@ class FSDPModule:
     def set_reduce_scatter_divide_factor(self, factor: float) -> None:
         """FSDP2's older name for :meth:`set_gradient_divide_factor`."""
         self.set_gradient_divide_factor(factor)
+
+    def set_all_reduce_hook(
+        self, hook: Callable[[torch.Tensor], None], *, stream: Any = None
+    ) -> None:
+        """Call ``hook`` with each reduced gradient of this module's group: the flat tensor of
+        this rank's padded rows, in the reduce dtype, after the last reduction (reduce-scatter,
+        or the all-reduce on an HSDP mesh) and before the division after the sum; what it
+        writes there is the gradient. ``stream`` is accepted for FSDP2's signature: the
+        reference runs the hook where it reduces."""
+        group = self._fsdp_state().group
+        if group is not None:
+            group.all_reduce_hook = hook
 
     def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
         """Accepted for FSDP2's API; the reference always reduces with SUM and divides locally."""
