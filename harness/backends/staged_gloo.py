@@ -115,18 +115,10 @@ class StagedGlooProcessGroup(PythonProcessGroup):
         timeout: timedelta,
         group_name: str,
     ) -> None:
-        super().__init__(rank, size)
+        super().__init__(rank, size, name=group_name, backend_name=BACKEND_NAME)
         self._gloo = dist.ProcessGroupGloo(dist.PrefixStore("staged/", store), rank, size, timeout)
-        self._name = group_name
 
     # --- identity ----------------------------------------------------------------------------
-
-    @property
-    def group_name(self) -> str:
-        return self._name
-
-    def getBackendName(self) -> str:
-        return BACKEND_NAME
 
     def __repr__(self) -> str:
         return (

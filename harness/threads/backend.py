@@ -190,25 +190,17 @@ class ThreadedProcessGroup(PythonProcessGroup):
         global_ranks: tuple[int, ...],
         timeout: timedelta | None = None,
     ) -> None:
-        super().__init__(group_rank, group_size)
+        super().__init__(group_rank, group_size, name=group_name, backend_name=BACKEND_NAME)
         self._timeout = timeout
         self._world = world
         self._global_rank = global_rank
         self._group_rank = group_rank
         self._group_size = group_size
-        self._name = group_name
         self._ranks = global_ranks
         self._seq = 0
         self._aborted = False
 
     # --- identity ------------------------------------------------------------------------
-
-    @property
-    def group_name(self) -> str:
-        return self._name
-
-    def getBackendName(self) -> str:
-        return BACKEND_NAME
 
     def __repr__(self) -> str:
         return (
