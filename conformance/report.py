@@ -493,8 +493,7 @@ class ConformanceReport:
 
     def to_json(self) -> dict[str, Any]:
         counts = self.counts()
-        run_verdict_of, profile_verdicts = self.verdicts()
-        run_verdict_json = run_verdict_of.to_json()
+        verdict, profile_verdicts = self.verdicts()
         return {
             "schema": SCHEMA,
             "schema_version": SCHEMA_VERSION,
@@ -519,7 +518,7 @@ class ConformanceReport:
                 }
                 for feature, ws, row in self.rows()
             ],
-            "verdict": run_verdict_json,
+            "verdict": verdict.to_json(),
             "profiles": [
                 {**result.to_json(), "verdict": verdict.to_json()}
                 for result, verdict in zip(self.profile_results(), profile_verdicts, strict=True)
