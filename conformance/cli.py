@@ -29,7 +29,7 @@ BACKEND_SUITE_DIR = "backend"
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m harness conformance",
+        prog=f"{entry_points.program()} conformance",
         description="Run the conformance suites against an implementation and report "
         "PASS / FAIL / XFAIL / XPASS / UNSUPPORTED / SKIP per feature and world size. "
         "Unknown arguments are passed to pytest.",
@@ -139,7 +139,7 @@ def compare_main(argv: list[str]) -> int:
     from conformance.saved import SavedRunError, load_run
 
     parser = argparse.ArgumentParser(
-        prog="python -m harness conformance compare",
+        prog=f"{entry_points.program()} conformance compare",
         description="List the tests whose outcome differs between the first report (the "
         "baseline) and each later one: new FAIL, fixed, newly UNSUPPORTED, stale "
         "expectations and the rest. Exit status 1 when a later run has a FAIL the baseline "
@@ -170,7 +170,7 @@ def history_main(argv: list[str]) -> int:
     from conformance.saved import SavedRunError
 
     parser = argparse.ArgumentParser(
-        prog="python -m harness conformance history",
+        prog=f"{entry_points.program()} conformance history",
         description="Draw a page of every conformance report under DIR over time: pass "
         "rate per implementation and per feature, and the step benchmarks "
         "(benchmarks/impl_step.py --out) found alongside.",

@@ -1,4 +1,5 @@
-"""``python -m harness COMMAND``: the command-line entry points installed with distconform.
+"""``distconform COMMAND`` (or ``python -m harness COMMAND``): the command-line entry points
+installed with distconform.
 
 Commands are found through the ``distconform.commands`` entry points (``conformance`` is
 the conformance package's ``conformance.cli:main``), so the harness imports none of the
@@ -11,11 +12,12 @@ from __future__ import annotations
 import sys
 
 from harness.entry_points import commands as _commands
+from harness.entry_points import program
 
 
 def _usage(commands: dict[str, object]) -> str:
     names = " | ".join(sorted(commands)) or "(none installed)"
-    return f"usage: python -m harness {{{names}}} [options]  (COMMAND --help for its options)"
+    return f"usage: {program()} {{{names}}} [options]  (COMMAND --help for its options)"
 
 
 def main(argv: list[str]) -> int:
@@ -35,6 +37,11 @@ def main(argv: list[str]) -> int:
         print(f"unknown command {name!r}{hint}\n{_usage(commands)}", file=sys.stderr)
         return 2
     return int(entry.load()(rest))
+
+
+def console() -> int:
+    """The ``distconform`` console script."""
+    return main(sys.argv[1:])
 
 
 if __name__ == "__main__":

@@ -11,11 +11,14 @@ with ``-p``, so both ways run the same code.
 
 from __future__ import annotations
 
+import sys
 import tomllib
 from importlib.metadata import EntryPoint, entry_points
 from pathlib import Path
 
 COMMANDS_GROUP = "distconform.commands"
+#: The console script ``pip install`` puts on the PATH (pyproject.toml ``[project.scripts]``).
+SCRIPT = "distconform"
 PYTEST_GROUP = "pytest11"
 #: The ``pytest11`` names distconform registers (pyproject.toml).
 PLUGIN_NAMES = ("distconform", "distconform-conformance")
@@ -40,6 +43,11 @@ def _from_tree(group: str) -> dict[str, EntryPoint]:
 def is_installed() -> bool:
     """Whether pip registered distconform's pytest plugins in this environment."""
     return any(name in _installed(PYTEST_GROUP) for name in PLUGIN_NAMES)
+
+
+def program() -> str:
+    """How the user started the commands: ``distconform``, or ``python -m harness``."""
+    return SCRIPT if Path(sys.argv[0]).name == SCRIPT else "python -m harness"
 
 
 def commands() -> dict[str, EntryPoint]:

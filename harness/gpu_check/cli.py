@@ -15,6 +15,7 @@ import sys
 import time
 from pathlib import Path
 
+from harness import entry_points
 from harness.gpu_check.report import as_document, write
 from harness.gpu_check.runner import run_all
 from harness.gpu_check.steps import Plan, build_steps
@@ -26,7 +27,7 @@ DEFAULT_BUDGET_S = 480.0
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m harness gpu-check",
+        prog=f"{entry_points.program()} gpu-check",
         description="Check distconform on one accelerator, step by step, within a time budget; "
         "write DIR/gpu-check.json and DIR/gpu-check.md.",
     )
