@@ -13,6 +13,7 @@ import sys
 
 from harness.entry_points import commands as _commands
 from harness.entry_points import program
+from harness.shadowing import shadowed_message
 
 
 def _usage(commands: dict[str, object]) -> str:
@@ -21,6 +22,10 @@ def _usage(commands: dict[str, object]) -> str:
 
 
 def main(argv: list[str]) -> int:
+    shadowed = shadowed_message()
+    if shadowed is not None:
+        print(shadowed, file=sys.stderr)
+        return 2
     commands = _commands()
     if not argv or argv[0] in ("-h", "--help"):
         print(_usage(commands))

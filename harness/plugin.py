@@ -38,9 +38,16 @@ from harness.session import (
     requested_launcher,
     world_size_of,
 )
+from harness.shadowing import shadowed_message
 
 if TYPE_CHECKING:
     from harness.external import ExternalWorld
+
+# Here, before the conformance plugin (loaded after this one) imports impl and suites: a
+# vendor's package of the same name earlier on sys.path would fail there with an import
+# error naming neither. pytest prints a UsageError raised while loading a plugin as one line.
+if (_shadowed := shadowed_message()) is not None:
+    raise pytest.UsageError(_shadowed)
 
 _SLOW_MARKER = "slow: a long test (world_size(..., slow=...) marks its slow sizes with it)"
 

@@ -1,0 +1,46 @@
+"""A vendor's own ``impl/`` folder or ``suites.py`` earlier on ``sys.path`` is named in one
+line before any work, by the command and by pytest, instead of failing later with an
+import error that names neither."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from harness.shadowing import ROOT, shadowed_message
+
+
+def run(vendor: Path, *args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(vendor)}
+    return subprocess.run(
+        [sys.executable, *args], cwd=vendor, env=env, capture_output=True, text=True, timeout=120
+    )
+
+
+def test_nothing_is_shadowed_here():
+    assert shadowed_message() is None
+
+
+def test_a_vendor_package_named_impl_is_refused_by_the_command_and_by_pytest(tmp_path):
+    (tmp_path / "impl").mkdir()
+    (tmp_path / "impl" / "__init__.py").write_text("VENDOR = True\n")
+    expected = (
+        f"distconform: 'impl' resolves to {(tmp_path / 'impl').resolve()}, not distconform's "
+        f"{ROOT / 'impl'}: a folder or module named 'impl' earlier on sys.path"
+    )
+    command = run(tmp_path, "-m", "harness", "conformance", "--impl", "reference", "--quick")
+    assert command.returncode == 2, command.stdout + command.stderr
+    (line,) = command.stderr.strip().splitlines()
+    assert line.startswith(expected), line
+    session = run(tmp_path, "-m", "pytest", "-q", "-p", "no:cacheprovider")
+    assert session.returncode == 4, session.stdout + session.stderr  # pytest's usage error
+    assert f"ERROR: {expected}" in session.stdout + session.stderr
+
+
+def test_a_vendor_module_file_is_named_too(tmp_path):
+    (tmp_path / "suites.py").write_text("VENDOR = True\n")
+    command = run(tmp_path, "-m", "harness", "--help")
+    assert command.returncode == 2
+    assert f"'suites' resolves to {(tmp_path / 'suites.py').resolve()}" in command.stderr
