@@ -24,6 +24,13 @@ def test_the_suite_option_chooses_the_directory():
     assert declared[declared.index("--backend-declaration") + 1] == "mine.toml"
 
 
+def test_the_selection_is_spelled_out_not_left_to_an_ini_file():
+    # Installed, distconform's pyproject.toml (addopts -m "not slow") is not there.
+    quick, full = pytest_args(["--quick"]), pytest_args([])
+    assert quick[quick.index("-m") + 1] == "not slow"
+    assert full[full.index("-m") + 1] == "slow or not slow"
+
+
 def test_a_quick_backend_run_reports_on_the_backend(tmp_path):
     out = tmp_path / "report"
     result = subprocess.run(
