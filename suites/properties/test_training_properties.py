@@ -18,7 +18,9 @@ from typing import Any
 import pytest
 
 pytest.importorskip(
-    "hypothesis", reason="the property cases need hypothesis (pip install '.[test]')"
+    "hypothesis",
+    reason="the property cases need hypothesis, a dependency of distconform: "
+    "reinstall it, or pip install hypothesis next to a plain copy of the tree",
 )
 
 import torch
