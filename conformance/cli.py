@@ -25,6 +25,8 @@ from harness import backend_plugins, entry_points
 DEFAULT_OUT = "conformance-report"
 SUITES = ("fsdp", "backend")
 BACKEND_SUITE_DIR = "backend"
+#: distconform's own pytest settings for a run of its bundled suites.
+PYTEST_INI = Path(__file__).resolve().parent / "pytest.ini"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -65,6 +67,13 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="only the default (non-slow) subset of the cases",
     )
+    parser.add_argument(
+        "--own-config",
+        action="store_true",
+        help="run the bundled suites under the pytest configuration (ini file, conftest.py) of "
+        "the directory you start from, not distconform's; a run of your own test paths "
+        "always uses yours",
+    )
     return parser
 
 
@@ -99,6 +108,10 @@ def pytest_args(argv: list[str]) -> list[str]:
     args += ["-m", "not slow" if options.quick else "slow or not slow"]
     if not any(not arg.startswith("-") and Path(arg.split("::")[0]).exists() for arg in rest):
         suites_dir = _suites_dir()
+        if not options.own_config:
+            # distconform's settings and test ids (suites/...), whatever directory the run
+            # starts from: a vendor's addopts or conftest.py must not change our verdict.
+            args += ["-c", str(PYTEST_INI), "--rootdir", str(suites_dir.parent)]
         if options.suite == "backend":
             args.append(str(suites_dir / BACKEND_SUITE_DIR))
         else:
