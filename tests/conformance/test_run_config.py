@@ -38,14 +38,15 @@ def installed_like(vendor: Path) -> Path:
     return site
 
 
-def collected(cwd: Path, site: Path | None, *extra: str) -> tuple[str, str]:
-    """The ``--co`` count line of a quick reference run started in ``cwd``, and the output."""
+def collected(cwd: Path, out: Path, site: Path | None, *extra: str) -> tuple[str, str]:
+    """The ``--co`` count line of a quick reference run started in ``cwd`` (its report in
+    ``out``), and the output."""
     env = dict(os.environ)
     if site is not None:
         env["PYTHONPATH"] = str(site)
     done = subprocess.run(
         [sys.executable, "-m", "harness", "conformance", "--impl", "reference", "--quick",
-         "--out", str(cwd / "report"), "--co", "-q", *extra],
+         "--out", str(out), "--co", "-q", *extra],
         cwd=cwd, env=env, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     output = done.stdout + done.stderr
@@ -62,13 +63,13 @@ def test_a_vendor_repository_does_not_configure_our_suites(tmp_path):
         "def pytest_collection_modifyitems(items):\n    raise RuntimeError('vendor conftest')\n"
     )
     site = installed_like(vendor)
-    checkout, _ = collected(ROOT, None)
+    checkout, _ = collected(ROOT, tmp_path / "checkout", None)
     assert re.fullmatch(r"\d+/\d+ tests collected \(\d+ deselected\)", checkout), checkout
-    count, output = collected(vendor, site)
+    count, output = collected(vendor, tmp_path / "vendor-run", site)
     assert count == checkout, output[-3000:]
     assert "vendor conftest" not in output, output[-3000:]
     # The test ids are distconform's (suites/...), which its expectation files name.
     assert "\nsuites/test_training_parity.py::" in output, output[-3000:]
     # Opting in, the vendor's configuration applies to our suites: its conftest runs.
-    _, own = collected(vendor, site, "--own-config")
+    _, own = collected(vendor, tmp_path / "own-run", site, "--own-config")
     assert "RuntimeError: vendor conftest" in own, own[-3000:]
