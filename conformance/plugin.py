@@ -399,6 +399,9 @@ class ConformancePlugin:
         # A pytest-xdist controller collects nothing itself: every worker collects it all.
         self.tracker.tests_selected(len(ids))
 
+    def pytest_collectreport(self, report: pytest.CollectReport) -> None:
+        self.recorder.add_collect_skip(report)
+
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         self.recorder.add(report)
         if report.when != "teardown" or self.is_worker or not self.reporting:

@@ -65,6 +65,7 @@ from suites.cases import (
     CAPABILITIES_PROPERTY,
     CASE_PROPERTY,
     IMPLEMENTATION,
+    MISSING_DEPENDENCY_PREFIX,
     SUBJECT_PROPERTY,
     UNSUPPORTED_PREFIX,
     Profile,
@@ -205,6 +206,16 @@ class Recorder:
             result.reason = _skip_reason(report)
             unsupported = result.reason.startswith(UNSUPPORTED_PREFIX)
             result.status = "UNSUPPORTED" if unsupported else "SKIP"
+
+    def add_collect_skip(self, report: pytest.CollectReport) -> None:
+        """A module skipped at collection for a missing package: a SKIP result that names it
+        (pytest drops such a module from the run without a test to report)."""
+        reason = _skip_reason(report)
+        if not report.skipped or not reason.startswith(MISSING_DEPENDENCY_PREFIX):
+            return
+        result = TestResult(report.nodeid, feature_from_nodeid(report.nodeid), None)
+        result.status, result.reason, result.when = "SKIP", reason, "setup"
+        self.results[report.nodeid] = result
 
     @staticmethod
     def _fail(result: TestResult, report: pytest.TestReport) -> None:
@@ -438,18 +449,26 @@ class ConformanceReport:
             results += [ProfileResult(p, members[p.name], declared) for p in [*required, *others]]
         return results
 
+    def not_run(self) -> list[TestResult]:
+        """The suite modules skipped for a missing package."""
+        return [r for r in self.tests if r.reason.startswith(MISSING_DEPENDENCY_PREFIX)]
+
     def verdicts(self) -> tuple[Verdict, list[Verdict]]:
         """The run's verdict and one per listed profile (:mod:`conformance.verdict`)."""
         profiles = [
             profile_verdict(result.to_json(), complete=self.complete)
             for result in self.profile_results()
         ]
-        return run_verdict(profiles, self.counts(), complete=self.complete), profiles
+        run = run_verdict(
+            profiles, self.counts(), complete=self.complete, not_run=len(self.not_run())
+        )
+        return run, profiles
 
     def verdict_lines(self, *, markdown: bool = False) -> list[str]:
-        """The run's verdict, then each profile's; empty without profiles."""
+        """The run's verdict, then each profile's and each suite module not run; empty when
+        there is neither a profile nor a module not run (a project's own tests)."""
         run, profiles = self.verdicts()
-        if not profiles:
+        if not profiles and not self.not_run():
             return []
         bullet = "- " if markdown else "  "
         gap = [""] if markdown else []
@@ -457,13 +476,14 @@ class ConformanceReport:
             run.line(markdown=markdown),
             *gap,
             *(f"{bullet}{verdict.line(markdown=markdown)}" for verdict in profiles),
+            *(f"{bullet}NOT RUN {r.nodeid}: {r.reason}" for r in self.not_run()),
         ]
 
     def headline_lines(self, *, markdown: bool = False) -> list[str]:
         """The verdicts, then one line of figures per profile; empty without profiles."""
         results = self.profile_results()
         if not results:
-            return []
+            return self.verdict_lines(markdown=markdown)
         # Markdown needs blank lines between paragraphs and before a list.
         gap = [""] if markdown else []
         bullet = "- " if markdown else "  "
@@ -677,7 +697,7 @@ class ConformanceReport:
             *(["", *notable] if notable else []),
             "",
             # The last line is the one people quote: the verdict first, the rate after it.
-            (f"{verdict.line()}; " if profiles else "")
+            (f"{verdict.line()}; " if profiles or self.not_run() else "")
             + f"conformance {percent_text(self.percent())} ({PASS_RATE_DEFINITION})",
             *([incomplete] if (incomplete := self.incomplete_line()) else []),
         ]

@@ -16,8 +16,9 @@ A profile is
 - ``CONFORMANT`` otherwise, "with N recorded deviations" for its expected failures.
 
 The run is NOT CONFORMANT when a profile is, or when any test failed; INCOMPLETE when it
-stopped early; NOT ASSESSED when no test was a conformance case or a required profile was
-not assessed; CONFORMANT otherwise.
+stopped early or a suite module could not be imported for a missing package; NOT ASSESSED
+when no test was a conformance case or a required profile was not assessed; CONFORMANT
+otherwise.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from suites.cases import MISSING_DEPENDENCY_PREFIX
 
 CONFORMANT = "CONFORMANT"
 NOT_CONFORMANT = "NOT CONFORMANT"
@@ -102,9 +105,10 @@ def profile_verdict(profile: Mapping[str, Any], *, complete: bool) -> Verdict:
 
 
 def run_verdict(
-    profiles: Sequence[Verdict], counts: Mapping[str, int], *, complete: bool
+    profiles: Sequence[Verdict], counts: Mapping[str, int], *, complete: bool, not_run: int = 0
 ) -> Verdict:
-    """The verdict on the whole run, from its profiles' verdicts and its status counts."""
+    """The verdict on the whole run, from its profiles' verdicts and its status counts;
+    ``not_run`` suite modules were skipped for a missing package."""
     failing = [v.name for v in profiles if v.status == NOT_CONFORMANT]
     if failing:
         return Verdict("verdict", NOT_CONFORMANT, f"to {', '.join(failing)}")
@@ -113,6 +117,9 @@ def run_verdict(
         return Verdict("verdict", NOT_CONFORMANT, f"{_plural(failed, 'test fails', 'tests fail')}")
     if not complete:
         return Verdict("verdict", INCOMPLETE, "the run stopped before its end")
+    if not_run:
+        modules = _plural(not_run, "suite module", "suite modules")
+        return Verdict("verdict", INCOMPLETE, f"{modules} not run: a package is missing")
     if not profiles:
         return Verdict("verdict", NOT_ASSESSED, "no test of this run is a conformance case")
     unassessed = [v.name for v in profiles if v.status == NOT_ASSESSED]
@@ -131,4 +138,8 @@ def verdicts_of_report(data: Mapping[str, Any]) -> tuple[Verdict, list[Verdict]]
     complete = bool(data.get("complete"))
     profiles = [profile_verdict(p, complete=complete) for p in data.get("profiles") or ()]
     counts = (data.get("summary") or {}).get("counts") or {}
-    return run_verdict(profiles, counts, complete=complete), profiles
+    not_run = sum(
+        str(test.get("reason", "")).startswith(MISSING_DEPENDENCY_PREFIX)
+        for test in data.get("tests") or ()
+    )
+    return run_verdict(profiles, counts, complete=complete, not_run=not_run), profiles

@@ -70,6 +70,9 @@ CPU_PREFIX = "CPU:"
 FAKE_DEVICE = "fakeaccel"
 FAKE_DEVICE_PREFIX = "FAKEACCEL:"
 UNSUPPORTED_PREFIX = "UNSUPPORTED:"
+#: Starts the skip reason of a suite module that cannot be imported for want of a package:
+#: the conformance report names it in the headline, and the run's verdict is INCOMPLETE.
+MISSING_DEPENDENCY_PREFIX = "MISSING DEPENDENCY:"
 LAUNCHER_PREFIX = "LAUNCHER:"
 LAUNCHERS = frozenset({"process", "thread", "external"})
 

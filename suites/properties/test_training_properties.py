@@ -17,10 +17,12 @@ from typing import Any
 
 import pytest
 
+from suites.cases import MISSING_DEPENDENCY_PREFIX
+
 pytest.importorskip(
     "hypothesis",
-    reason="the property cases need hypothesis, a dependency of distconform: "
-    "reinstall it, or pip install hypothesis next to a plain copy of the tree",
+    reason=f"{MISSING_DEPENDENCY_PREFIX} hypothesis is not installed; the property cases need "
+    "it: reinstall distconform, or pip install hypothesis next to a plain copy of the tree",
 )
 
 import torch

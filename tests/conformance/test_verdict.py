@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import subprocess
 import sys
 
@@ -200,3 +201,32 @@ def test_a_broken_implementation_run_reports_not_conformant(tmp_path):
     assert "verdict: **NOT CONFORMANT**" in (out / "conformance.md").read_text()
     banner, _ = page_verdicts((out / "conformance.html").read_text())
     assert banner["class"] == "banner bad"
+
+
+def test_a_suite_module_missing_a_package_is_named_and_leaves_the_run_incomplete(tmp_path):
+    """hypothesis made unimportable: the property cases' module is skipped at collection,
+    which pytest reports with no test; the report names it and the verdict is INCOMPLETE."""
+    blocker = tmp_path / "blocker"
+    blocker.mkdir()
+    (blocker / "hypothesis.py").write_text(
+        "raise ModuleNotFoundError('hidden by the test', name='hypothesis')\n"
+    )
+    out = tmp_path / "report"
+    command = [
+        sys.executable, "-m", "harness", "conformance", "--impl", "reference", "--out", str(out),
+        "suites/properties/test_training_properties.py", "-p", "no:cacheprovider",
+        "-p", "no:hypothesispytest",  # hypothesis's own pytest plugin needs hypothesis
+    ]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(blocker)}
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    data = json.loads((out / "conformance.json").read_text())
+    (module,) = data["tests"]
+    assert module["nodeid"] == "suites/properties/test_training_properties.py"
+    assert (module["status"], module["reason"].split(";")[0]) == (
+        "SKIP",
+        "MISSING DEPENDENCY: hypothesis is not installed",
+    )
+    assert data["verdict"]["line"] == (
+        "verdict: INCOMPLETE (1 suite module not run: a package is missing)"
+    ), done.stdout[-2000:]
+    assert "verdict: INCOMPLETE" in done.stdout, done.stdout[-2000:]
