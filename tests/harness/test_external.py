@@ -117,9 +117,11 @@ def check_world(rank0: str, others: list[str], junit: Path, world_size: int, wal
     """What every external world must show for the mixed module."""
     ws = f"ws{world_size}"
     times = _junit_times(junit)
-    # A failure on rank 1 ends the test for every rank at once, not at the group timeout.
-    outcome, seconds = times[f"test_fails_on_rank_1_while_the_others_wait[{ws}]"]
-    assert outcome == "failure" and seconds < 2.0, times
+    # A failure on rank 1 ends the test for every rank: the others are aborted by their peer
+    # (no bound on the seconds: the group's 1 s timeout and a busy machine's delays are of
+    # one size, and which comes first is not what this checks).
+    outcome, _seconds = times[f"test_fails_on_rank_1_while_the_others_wait[{ws}]"]
+    assert outcome == "failure", times
     failure = rank0[rank0.index(f"test_fails_on_rank_1_while_the_others_wait[{ws}] _") :]
     assert "rank 1 failed: AssertionError: assert 1 == 0" in failure
     assert re.search(r"^\s+0\s+aborted-by-peer", failure, re.M)

@@ -257,7 +257,8 @@ def test_a_short_group_timeout_fires_instead_of_the_deadlock_report():
         _rank_one_waits_on_the_default_group_while_rank_zero_times_out, 2, deadline=30.0
     )
     result.raise_on_failure()
-    assert 1.0 <= result.values[0] < 5.0
+    # At least the 1 s timeout; well under the 30 s deadline whatever the machine's load.
+    assert 1.0 <= result.values[0] < 20.0
 
 
 def _async_never_waited() -> None:
