@@ -293,7 +293,8 @@ def test_non_dense_tensors_give_the_right_result_or_a_contiguity_error(point, ra
     arguments = (rank_ctx.mesh((rank_ctx.world_size,)),) if form == DTENSOR_FORM else ()
     try:
         CHECKS[(operation, form)](check, *arguments)
-    except (RuntimeError, ValueError) as exc:
+    except (RuntimeError, ValueError, AssertionError) as exc:
+        # torch 2.11 and 2.12's functional all_gather refuses with an AssertionError.
         if "contiguous" not in str(exc).lower():
             raise  # an error that does not say why is no documented refusal
         return  # the documented refusal
