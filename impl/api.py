@@ -119,8 +119,10 @@ class Implementation(ABC):
         mesh: DeviceMesh | None = None,
         mp_policy: Any = None,
         offload_policy: Any = None,
+        ignored_params: set[nn.Parameter] | None = None,
     ) -> Any:
-        """Replicate ``module`` with DDP semantics on the same machinery."""
+        """Replicate ``module`` with DDP semantics on the same machinery; ``ignored_params``
+        as for :meth:`fully_shard` (not replicated, their gradients not all-reduced)."""
 
     @abstractmethod
     def register_fsdp_forward_method(self, module: nn.Module, method_name: str) -> None:

@@ -62,12 +62,14 @@ class TorchImplementation(Implementation):
         mesh: DeviceMesh | None = None,
         mp_policy: Any = None,
         offload_policy: Any = None,
+        ignored_params: set[nn.Parameter] | None = None,
     ) -> Any:
         return _torch_private.torch_replicate()(
             module,
             mesh=mesh,
             mp_policy=mp_policy if mp_policy is not None else fsdp.MixedPrecisionPolicy(),
             offload_policy=offload_policy if offload_policy is not None else fsdp.OffloadPolicy(),
+            ignored_params=ignored_params,
         )
 
     def register_fsdp_forward_method(self, module: nn.Module, method_name: str) -> None:

@@ -1,4 +1,5 @@
-"""``fully_shard(ignored_params=...)``: the named parameters are left alone.
+"""``fully_shard(ignored_params=...)`` and ``replicate(ignored_params=...)``: the named
+parameters are left alone.
 
 An ignored parameter stays a plain local ``nn.Parameter`` (no ``DTensor``), is never
 all-gathered, and its gradient is not reduced: each rank keeps the gradient of its own
@@ -20,14 +21,14 @@ from suites.cases import conformance
 from suites.schedule import ScheduleRecorder, ShardingPlan
 
 
-@conformance("fsdp.ignored_params")
-def test_ignored_params_stay_local_and_unreduced(rank_ctx, impl):
+def run_ignored_params(rank_ctx, impl, kind: str) -> None:
     torch.manual_seed(0)
     with torch.device(rank_ctx.device):
         model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
     reference = copy.deepcopy(model)
     plan = ShardingPlan(impl)
-    plan.fully_shard(model, ignored_params={model[2].weight})
+    apply = plan.replicate if kind == "replicate" else plan.fully_shard
+    apply(model, ignored_params={model[2].weight})
     recorder = ScheduleRecorder(plan, model)
     assert not isinstance(model[2].weight, DTensor), "the ignored weight became a DTensor"
     assert model[2].weight.shape == (4, 16), "the ignored weight is not whole"
@@ -47,3 +48,15 @@ def test_ignored_params_stay_local_and_unreduced(rank_ctx, impl):
     reference[2].weight.grad = None  # not part of the sharded comparison
     model[2].weight.grad = None
     assert_sharded_parity(reference, model)
+
+
+@conformance("fsdp.ignored_params")
+def test_ignored_params_stay_local_and_unreduced(rank_ctx, impl):
+    run_ignored_params(rank_ctx, impl, "fully_shard")
+
+
+@conformance("replicate.ignored_params")
+def test_replicate_ignored_params_stay_local_and_unreduced(rank_ctx, impl):
+    """Fails on ``tests.suites.broken:ignore_ignored_params_torch`` ("the ignored weight
+    became a DTensor")."""
+    run_ignored_params(rank_ctx, impl, "replicate")

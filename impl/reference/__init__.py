@@ -93,12 +93,14 @@ class ReferenceImplementation(Implementation):
         mesh: DeviceMesh | None = None,
         mp_policy: Any = None,
         offload_policy: Any = None,
+        ignored_params: set[nn.Parameter] | None = None,
     ) -> Any:
         return replicate(
             module,
             mesh=mesh,
             mp_policy=mp_policy if mp_policy is not None else MixedPrecisionPolicy(),
             offload_policy=offload_policy if offload_policy is not None else OffloadPolicy(),
+            ignored_params=ignored_params,
         )
 
     def register_fsdp_forward_method(self, module: nn.Module, method_name: str) -> None:

@@ -98,8 +98,10 @@ def replicate(
     mesh: DeviceMesh | None = None,
     mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),  # noqa: B008
     offload_policy: OffloadPolicy = OffloadPolicy(),  # noqa: B008
+    ignored_params: set[nn.Parameter] | None = None,
 ) -> ModuleOrList:
-    """Data parallelism with replicated parameters: one all-reduce per group per synced backward."""
+    """Data parallelism with replicated parameters: one all-reduce per group per synced backward.
+    ``ignored_params`` stay plain local parameters, their gradients not all-reduced."""
     mesh = mesh if mesh is not None else _default_mesh(("replicate",))
     if mesh.ndim != 1:
         raise ValueError(f"replicate expects a 1-D DeviceMesh, got {mesh.ndim} dims: {mesh}")
@@ -111,6 +113,7 @@ def replicate(
         mp_policy,
         offload_policy,
         True,
+        ignored_params=ignored_params,
     )
 
 

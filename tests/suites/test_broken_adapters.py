@@ -271,6 +271,12 @@ ROWS = [
         "6 microbatches over 2 stages, scale_grads=True",
     ),
     row(
+        "test_ignored_params",
+        "test_replicate_ignored_params_stay_local_and_unreduced[ws2]",
+        "ignore_ignored_params_torch",
+        "the ignored weight became a DTensor",
+    ),
+    row(
         "test_state_dict",
         "test_state_dict_while_unsharded_is_sharded[ws2-how=raf_false_forward]",
         "state_dict_skips_reshard_torch",
