@@ -23,6 +23,8 @@ def _installed_capabilities() -> frozenset[str]:
     absent = set()
     if not hasattr(fsdp.FSDPModule, "reset_iter_state"):  # added in torch 2.13
         absent.add("reset_iter_state")
+    if not hasattr(fsdp.FSDPModule, "set_separate_reduce_scatter_group"):  # from torch 2.13
+        absent.add("separate_reduce_scatter_group")
     return KNOWN_CAPABILITIES - absent
 
 

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from harness.comm import CommTracer
 from harness.parity import assert_sharded_parity
 from suites.cases import conformance, grid
 from suites.models import MLPStack
@@ -307,4 +308,45 @@ def test_all_reduce_hook_sees_and_changes_each_reduced_gradient(rank_ctx, impl, 
     for param in reference.parameters():
         dist.all_reduce(param.grad)
         param.grad *= HOOK_SCALE / world
+    assert_sharded_parity(reference, model)
+
+
+# --- a separate reduce-scatter group -----------------------------------------------------------
+
+
+@conformance("fsdp.reduce_controls.separate_reduce_scatter_group")
+def test_reduce_scatters_run_on_a_group_of_their_own(rank_ctx, impl):
+    """``set_separate_reduce_scatter_group()`` on the root (recursive): every gradient
+    reduce-scatter runs on a process group over the same shard ranks that is not the one the
+    all-gathers use, and the gradients are unchanged. Fails on
+    ``tests.suites.broken:ignore_separate_reduce_scatter_group`` ("the reduce-scatters ran on
+    the all-gathers' group")."""
+    with torch.device(rank_ctx.device):
+        model = MLPStack(8)
+    reference = copy.deepcopy(model)
+    for mlp in model:
+        impl.fully_shard(mlp)
+    impl.fully_shard(model)
+    model.set_separate_reduce_scatter_group()
+    torch.manual_seed(42 + rank_ctx.rank + 1)
+    inp = torch.randn(4, 8, device=rank_ctx.device)
+    with CommTracer(functional=False) as trace:
+        model(inp).sum().backward()
+    reference(inp).sum().backward()
+    gathers = {(c.group_name, c.group_ranks) for c in trace.select("all_gather")}
+    scatters = {(c.group_name, c.group_ranks) for c in trace.select("reduce_scatter")}
+    world = tuple(range(rank_ctx.world_size))
+    assert gathers and {ranks for _, ranks in gathers} == {world}, gathers
+    assert scatters and {ranks for _, ranks in scatters} == {world}, (
+        f"the reduce-scatters ran over ranks {sorted(r for _, r in scatters)}, not the shard "
+        f"ranks {world}"
+    )
+    shared = {name for name, _ in gathers} & {name for name, _ in scatters}
+    assert not shared, (
+        f"the reduce-scatters ran on the all-gathers' group {sorted(shared)}: "
+        f"set_separate_reduce_scatter_group() gave them no group of their own"
+    )
+    for param in reference.parameters():
+        dist.all_reduce(param.grad)
+        param.grad /= rank_ctx.world_size
     assert_sharded_parity(reference, model)

@@ -129,6 +129,12 @@ def probe_all_reduce_hook(rank_ctx, impl, model: nn.Module) -> None:
     train_once(model, rank_ctx.device)
 
 
+def probe_separate_reduce_scatter_group(rank_ctx, impl, model: nn.Module) -> None:
+    impl.fully_shard(model)
+    model.set_separate_reduce_scatter_group()
+    train_once(model, rank_ctx.device)
+
+
 #: capability -> (how to use it, words one of which the error must contain, lower case)
 PROBES: dict[str, tuple[Probe, tuple[str, ...]]] = {
     "replicate": (probe_replicate, ("replicate",)),
@@ -152,6 +158,10 @@ PROBES: dict[str, tuple[Probe, tuple[str, ...]]] = {
     "tp": (probe_tp, ("tensor parallel", "dtensor", "tp")),
     "ignored_params": (probe_ignored_params, ("ignored_params", "ignored")),
     "all_reduce_hook": (probe_all_reduce_hook, ("all_reduce_hook", "hook")),
+    "separate_reduce_scatter_group": (
+        probe_separate_reduce_scatter_group,
+        ("separate_reduce_scatter_group", "reduce_scatter", "reduce-scatter"),
+    ),
 }
 
 

@@ -51,6 +51,7 @@ class ReferenceImplementation(Implementation):
             "reset_iter_state",
             "post_optim_event",
             "all_reduce_hook",
+            "separate_reduce_scatter_group",
             # Composition (suites/composition): DCP, TP (DTensor parameters get the
             # data-parallel dims in front) and every pipeline schedule pass (pp: the suite's
             # DataParallelStage drives data parallelism for it; the engine drives only torch's

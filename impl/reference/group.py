@@ -148,6 +148,8 @@ class ParamGroup:
         self.requires_all_reduce = True  # the replicate dim's all-reduce (HSDP, replicate)
         self.unshard_async_op = False
         self.gradient_divide_factor: float | None = None
+        # set_separate_reduce_scatter_group: the reduce-scatters' own group over the shard ranks.
+        self.reduce_scatter_group: dist.ProcessGroup | None = None
         # Called with each reduced flat gradient before the division after the sum.
         self.all_reduce_hook: Callable[[torch.Tensor], None] | None = None
         # Kept for the API: every reduction here is a SUM already (see collectives.py).
@@ -438,7 +440,8 @@ class ParamGroup:
         if pre_divide != 1:
             rank_major.div_(pre_divide)
         if self.shard_size > 1:
-            reduced = collectives.reduce_scatter_sum(rank_major, self.shard_group)
+            group = self.reduce_scatter_group or self.shard_group
+            reduced = collectives.reduce_scatter_sum(rank_major, group)
         else:
             reduced = rank_major[0]
         if self.replicate_group is not None:

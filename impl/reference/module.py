@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from impl.reference.group import UnshardHandle
@@ -131,6 +132,25 @@ class FSDPModule:
         group = self._fsdp_state().group
         if group is not None:
             group.all_reduce_hook = hook
+
+    def set_separate_reduce_scatter_group(
+        self, enable: bool = True, *, recurse: bool = True
+    ) -> None:
+        """Run the gradient reduce-scatters on a group of their own over the same shard ranks
+        (one per distinct set of ranks), so they may overlap the all-gathers; ``False`` goes
+        back to the shard group. Collective: every shard rank calls it in the same order."""
+        groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
+        for state in self._fsdp_states(recurse):
+            group = state.group
+            if group is None or group.shard_size == 1:
+                continue
+            if not enable:
+                group.reduce_scatter_group = None
+                continue
+            ranks = tuple(dist.get_process_group_ranks(group.shard_group))
+            if ranks not in groups:
+                groups[ranks] = dist.new_group(list(ranks), use_local_synchronization=True)
+            group.reduce_scatter_group = groups[ranks]
 
     def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
         """Accepted for FSDP2's API; the reference always reduces with SUM and divides locally."""

@@ -183,6 +183,12 @@ ROWS = [
         "gradient of",
     ),
     row(
+        "test_reduce_controls",
+        "test_reduce_scatters_run_on_a_group_of_their_own[ws2]",
+        "ignore_separate_reduce_scatter_group_torch",
+        "ran on the all-gathers' group",
+    ),
+    row(
         "test_ignored_params",
         "test_ignored_params_stay_local_and_unreduced[ws2]",
         "ignore_ignored_params_torch",
