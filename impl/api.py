@@ -53,6 +53,8 @@ KNOWN_CAPABILITIES = frozenset(
         "all_reduce_hook",  # FSDPModule.set_all_reduce_hook: a hook on each reduced gradient
         # FSDPModule.set_separate_reduce_scatter_group: reduce-scatters on a group of their own
         "separate_reduce_scatter_group",
+        # FSDPModule.set_reduce_scatter_unused_params: zeros for parameters unused on a rank
+        "reduce_scatter_unused_params",
     }
 )
 

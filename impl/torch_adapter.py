@@ -25,6 +25,8 @@ def _installed_capabilities() -> frozenset[str]:
         absent.add("reset_iter_state")
     if not hasattr(fsdp.FSDPModule, "set_separate_reduce_scatter_group"):  # from torch 2.13
         absent.add("separate_reduce_scatter_group")
+    if not hasattr(fsdp.FSDPModule, "set_reduce_scatter_unused_params"):  # from torch 2.13
+        absent.add("reduce_scatter_unused_params")
     return KNOWN_CAPABILITIES - absent
 
 

@@ -350,3 +350,44 @@ def test_reduce_scatters_run_on_a_group_of_their_own(rank_ctx, impl):
         dist.all_reduce(param.grad)
         param.grad /= rank_ctx.world_size
     assert_sharded_parity(reference, model)
+
+
+# --- parameters unused on some ranks ------------------------------------------------------------
+
+
+class TwoBranches(nn.Module):
+    """``head(a(x))`` on even ranks, ``head(b(x))`` on odd ones: each rank leaves one branch
+    without a gradient (conditional compute, as in mixture-of-experts layers)."""
+
+    def __init__(self, use_a: bool) -> None:
+        super().__init__()
+        self.a, self.b, self.head = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 4)
+        self.use_a = use_a
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.a(x) if self.use_a else self.b(x))
+
+
+@conformance("fsdp.reduce_controls.unused_params")
+def test_parameters_unused_on_some_ranks_reduce_as_zeros(rank_ctx, impl):
+    """``set_reduce_scatter_unused_params(True)``: a parameter that got no gradient on a rank
+    takes part in the reduction with zeros, so every rank issues the same reduce-scatter and
+    each gradient is the sum over the ranks that used it divided by the world size. Fails on
+    ``tests.suites.broken:ignore_reduce_scatter_unused_params`` ("gradient of 'a.weight' on
+    rank 1: model has none, reference has one": the other rank's gradient never reached it)."""
+    torch.manual_seed(0)
+    with torch.device(rank_ctx.device):
+        model = TwoBranches(use_a=rank_ctx.rank % 2 == 0)
+    reference = copy.deepcopy(model)
+    impl.fully_shard(model)
+    model.set_reduce_scatter_unused_params(True)
+    torch.manual_seed(42 + rank_ctx.rank + 1)
+    inp = torch.randn(4, 8, device=rank_ctx.device)
+    model(inp).sum().backward()
+    reference(inp).sum().backward()
+    for param in reference.parameters():
+        if param.grad is None:  # this rank's unused branch: it contributes zeros
+            param.grad = torch.zeros_like(param)
+        dist.all_reduce(param.grad)
+        param.grad /= rank_ctx.world_size
+    assert_sharded_parity(reference, model)

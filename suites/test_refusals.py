@@ -135,6 +135,12 @@ def probe_separate_reduce_scatter_group(rank_ctx, impl, model: nn.Module) -> Non
     train_once(model, rank_ctx.device)
 
 
+def probe_reduce_scatter_unused_params(rank_ctx, impl, model: nn.Module) -> None:
+    impl.fully_shard(model)
+    model.set_reduce_scatter_unused_params(True)
+    train_once(model, rank_ctx.device)
+
+
 #: capability -> (how to use it, words one of which the error must contain, lower case)
 PROBES: dict[str, tuple[Probe, tuple[str, ...]]] = {
     "replicate": (probe_replicate, ("replicate",)),
@@ -161,6 +167,10 @@ PROBES: dict[str, tuple[Probe, tuple[str, ...]]] = {
     "separate_reduce_scatter_group": (
         probe_separate_reduce_scatter_group,
         ("separate_reduce_scatter_group", "reduce_scatter", "reduce-scatter"),
+    ),
+    "reduce_scatter_unused_params": (
+        probe_reduce_scatter_unused_params,
+        ("unused_params", "unused", "reduce_scatter"),
     ),
 }
 

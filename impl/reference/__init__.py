@@ -52,6 +52,7 @@ class ReferenceImplementation(Implementation):
             "post_optim_event",
             "all_reduce_hook",
             "separate_reduce_scatter_group",
+            "reduce_scatter_unused_params",
             # Composition (suites/composition): DCP, TP (DTensor parameters get the
             # data-parallel dims in front) and every pipeline schedule pass (pp: the suite's
             # DataParallelStage drives data parallelism for it; the engine drives only torch's

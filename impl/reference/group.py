@@ -148,6 +148,9 @@ class ParamGroup:
         self.requires_all_reduce = True  # the replicate dim's all-reduce (HSDP, replicate)
         self.unshard_async_op = False
         self.gradient_divide_factor: float | None = None
+        # set_reduce_scatter_unused_params: a parameter without a gradient on this rank takes
+        # part in the reduction with zeros, so ranks that used different parameters agree.
+        self.reduce_scatter_unused_params = False
         # set_separate_reduce_scatter_group: the reduce-scatters' own group over the shard ranks.
         self.reduce_scatter_group: dist.ProcessGroup | None = None
         # Called with each reduced flat gradient before the division after the sum.
@@ -417,7 +420,7 @@ class ParamGroup:
             self.reshard()
 
     def _reduce_gradients(self) -> None:
-        with_grads = [(p, g) for p in self.params if (g := p.take_unsharded_grad()) is not None]
+        with_grads = [(p, g) for p in self.params if (g := self._gradient_to_reduce(p)) is not None]
         if not with_grads:
             return
         with torch.no_grad():
@@ -428,6 +431,13 @@ class ParamGroup:
             for p, _ in with_grads:
                 p.accumulate_sharded_grad(_local_rows(p, reduced.narrow(0, offset, p.flat_numel)))
                 offset += p.flat_numel
+
+    def _gradient_to_reduce(self, p: ManagedParam) -> torch.Tensor | None:
+        grad = p.take_unsharded_grad()
+        if grad is None and self.reduce_scatter_unused_params and p.requires_grad:
+            assert p.unsharded_param is not None
+            return torch.zeros(p.shape, dtype=p.unsharded_param.dtype, device=self.device)
+        return grad
 
     def _reduce(self, with_grads: list[tuple[ManagedParam, torch.Tensor]]) -> torch.Tensor | None:
         """This rank's reduced rows of every gradient, flat, or ``None`` if held back as partial."""

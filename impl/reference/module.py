@@ -133,6 +133,15 @@ class FSDPModule:
         if group is not None:
             group.all_reduce_hook = hook
 
+    def set_reduce_scatter_unused_params(
+        self, reduce_scatter_unused_params: bool, *, recurse: bool = True
+    ) -> None:
+        """Reduce zeros for parameters that got no gradient on this rank (different ranks using
+        different parameters), so every rank issues the same reduce-scatter."""
+        for state in self._fsdp_states(recurse):
+            if state.group is not None:
+                state.group.reduce_scatter_unused_params = reduce_scatter_unused_params
+
     def set_separate_reduce_scatter_group(
         self, enable: bool = True, *, recurse: bool = True
     ) -> None:

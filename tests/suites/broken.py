@@ -14,6 +14,7 @@ numerics
 * ``ignore_reduce_scatter_divide_factor``: its older name ``set_reduce_scatter_divide_factor``
   does nothing;
 * ``ignore_all_reduce_hook``: ``set_all_reduce_hook`` does nothing;
+* ``ignore_reduce_scatter_unused_params``: ``set_reduce_scatter_unused_params`` does nothing;
 * ``ignore_separate_reduce_scatter_group``: ``set_separate_reduce_scatter_group`` does nothing;
 * ``skip_post_divide``: the fp16/fp64 reduction leaves out its division after the SUM (the
   gradients come out scaled by the post factor: 1 at world size 2, 2 at 4);
@@ -296,6 +297,9 @@ _MODULE: dict[str, Callable[[nn.Module], None]] = {
     "ignore_gradient_sync": lambda m: setattr(m, "set_requires_gradient_sync", _noop),
     "ignore_divide_factor": lambda m: setattr(m, "set_gradient_divide_factor", _noop),
     "ignore_all_reduce_hook": lambda m: setattr(m, "set_all_reduce_hook", _noop),
+    "ignore_reduce_scatter_unused_params": lambda m: setattr(
+        m, "set_reduce_scatter_unused_params", _noop
+    ),
     "ignore_separate_reduce_scatter_group": lambda m: setattr(
         m, "set_separate_reduce_scatter_group", _noop
     ),

@@ -189,6 +189,12 @@ ROWS = [
         "ran on the all-gathers' group",
     ),
     row(
+        "test_reduce_controls",
+        "test_parameters_unused_on_some_ranks_reduce_as_zeros[ws2]",
+        "ignore_reduce_scatter_unused_params_torch",
+        "model has none, reference has one",
+    ),
+    row(
         "test_ignored_params",
         "test_ignored_params_stay_local_and_unreduced[ws2]",
         "ignore_ignored_params_torch",
