@@ -11,7 +11,8 @@ A profile is
 - ``NOT CONFORMANT`` when any of its applied cases fails, or when it is required and the
   subject does not declare every capability it needs (UNSUPPORTED must not hide a bug);
 - ``INCOMPLETE`` when nothing failed but the run stopped before its end;
-- ``NOT ASSESSED`` when it is required and no case of it applied;
+- ``NOT ASSESSED`` when no case of it applied: a required one leaves the run NOT ASSESSED, a
+  declared extension whose cases all skipped here (device events on a CPU) does not;
 - ``NOT CLAIMED`` when it is an extension the subject does not declare (no case applied);
 - ``CONFORMANT`` otherwise, "with N recorded deviations" for its expected failures.
 
@@ -51,6 +52,8 @@ class Verdict:
     status: str
     #: Why, in a few words ("31 of 51 cases fail"); empty for a clean CONFORMANT.
     detail: str = ""
+    #: False for an extension profile: one left unassessed does not leave the run so.
+    required: bool = True
 
     @property
     def conformant(self) -> bool:
@@ -61,7 +64,8 @@ class Verdict:
         """How a page colours it: good, bad or neutral (an extension not claimed)."""
         if self.status == CONFORMANT:
             return "good"
-        return "neutral" if self.status == NOT_CLAIMED else "bad"
+        skipped_extension = self.status == NOT_ASSESSED and not self.required
+        return "neutral" if self.status == NOT_CLAIMED or skipped_extension else "bad"
 
     def line(self, *, markdown: bool = False) -> str:
         status = f"**{self.status}**" if markdown else self.status
@@ -97,8 +101,13 @@ def profile_verdict(profile: Mapping[str, Any], *, complete: bool) -> Verdict:
     if applied == 0:
         if required:
             return Verdict(name, NOT_ASSESSED, "no case of it applied")
-        cases = int(profile.get("cases") or 0)
-        return Verdict(name, NOT_CLAIMED, f"{_plural(cases, 'case', 'cases')} UNSUPPORTED")
+        if missing:
+            unsupported = int(counts.get("UNSUPPORTED", 0))
+            cases = _plural(unsupported, "case", "cases")
+            return Verdict(name, NOT_CLAIMED, f"{cases} UNSUPPORTED", required=False)
+        # Declared, but every case skipped here (a CPU run of a device-only feature).
+        skipped = _plural(int(counts.get("SKIP", 0)), "case", "cases")
+        return Verdict(name, NOT_ASSESSED, f"{skipped} skipped here", required=False)
     deviations = int(counts.get("XFAIL", 0))
     detail = f"with {_plural(deviations, 'recorded deviation', 'recorded deviations')}"
     return Verdict(name, CONFORMANT, detail if deviations else "")
@@ -122,10 +131,10 @@ def run_verdict(
         return Verdict("verdict", INCOMPLETE, f"{modules} not run: a package is missing")
     if not profiles:
         return Verdict("verdict", NOT_ASSESSED, "no test of this run is a conformance case")
-    unassessed = [v.name for v in profiles if v.status == NOT_ASSESSED]
+    unassessed = [v.name for v in profiles if v.status == NOT_ASSESSED and v.required]
     if unassessed:
         return Verdict("verdict", NOT_ASSESSED, f"no case of {', '.join(unassessed)} applied")
-    if all(v.status == NOT_CLAIMED for v in profiles):
+    if all(v.status in (NOT_CLAIMED, NOT_ASSESSED) for v in profiles):
         return Verdict("verdict", NOT_ASSESSED, "no case applied")
     deviations = int(counts.get("XFAIL", 0))
     detail = f"with {_plural(deviations, 'recorded deviation', 'recorded deviations')}"

@@ -59,6 +59,9 @@ def figures(*, required=True, missing=(), applied=0, cases=None, **counts) -> di
          "p: NOT ASSESSED (no case of it applied)"),
         (figures(required=False, missing=["hsdp"], applied=0, cases=3, UNSUPPORTED=3), True,
          "p: NOT CLAIMED (3 cases UNSUPPORTED)"),
+        # Declared, every case skipped on this device: not assessed, and not "unsupported".
+        (figures(required=False, applied=0, cases=2, SKIP=2), True,
+         "p: NOT ASSESSED (2 cases skipped here)"),
         # An extension is judged on the cases it applied: a missing capability is not a bug.
         (figures(required=False, missing=["hsdp"], applied=2, cases=3, PASS=2), True,
          "p: CONFORMANT"),
@@ -90,6 +93,9 @@ def test_the_runs_verdict_names_the_profiles_that_fail_it():
         "verdict: NOT ASSESSED (no case of core applied)"
     )
     assert line([unclaimed]) == "verdict: NOT ASSESSED (no case applied)"
+    # An extension whose cases all skipped here leaves the run assessed by the others.
+    skipped_here = Verdict("post_optim_event", NOT_ASSESSED, "2 cases skipped here", required=False)
+    assert line([ok, skipped_here], PASS=3) == "verdict: CONFORMANT"
     assert (
         line([ok, unclaimed], PASS=5, XFAIL=2) == "verdict: CONFORMANT with 2 recorded deviations"
     )
