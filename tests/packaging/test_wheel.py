@@ -86,8 +86,10 @@ def installed(tmp_path_factory) -> tuple[Path, Path]:
                     work).stdout.strip())  # fmt: skip
     (site / "distconform-deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
     installed = run(
+        # --ignore-installed: an installed distconform seen through the .pth (tox installs one)
+        # would otherwise count as the wheel's and leave this environment without it.
         [sys.executable, "-m", "pip", "--python", str(python), "install", "-q", "--no-deps",
-         str(wheel)],
+         "--ignore-installed", str(wheel)],
         work,
     )  # fmt: skip
     assert installed.returncode == 0, installed.stderr[-3000:]
