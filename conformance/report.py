@@ -51,6 +51,7 @@ from conformance.statuses import (
     RunState,
     conformance_percent,
     percent_text,
+    plural,
 )
 from conformance.verdict import Verdict, profile_verdict, run_verdict
 from harness.backend_plugins import ENV_VAR as BACKEND_PLUGINS_VAR
@@ -322,10 +323,6 @@ def _unsupported_needs(result: TestResult, declared: frozenset[str]) -> tuple[st
     return ("?",)
 
 
-def _plural(count: int, singular: str, plural: str) -> str:
-    return f"{count} {singular if count == 1 else plural}"
-
-
 @dataclass
 class ProfileResult:
     """One profile's share of a run."""
@@ -385,7 +382,7 @@ class ProfileResult:
         name = f"**{self.profile.name}**" if markdown else self.profile.name
         kind = "required" if self.profile.required else "extension"
         total = len(self.tests)
-        applied = f"{self.applied()} of {_plural(total, 'case', 'cases')} applied"
+        applied = f"{self.applied()} of {plural(total, 'case', 'cases')} applied"
         percent = self.percent()
         if self.withheld:
             applied += f", no pass rate (does not declare {', '.join(self.missing_capabilities)})"
@@ -396,7 +393,7 @@ class ProfileResult:
         if skipped:
             parts.append(f"{skipped} SKIP")
         groups = [
-            f"{_plural(len(nodeids), 'case needs', 'cases need')} {' + '.join(needs)}"
+            f"{plural(len(nodeids), 'case needs', 'cases need')} {' + '.join(needs)}"
             for needs, nodeids in self.unsupported()
         ]
         if groups:

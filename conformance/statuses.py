@@ -38,6 +38,11 @@ def percent_text(value: float | None) -> str:
     return "99.9 %" if text == "100.0 %" and value < 100.0 else text
 
 
+def plural(count: int, singular: str, plural_form: str) -> str:
+    """``"1 case"``, ``"3 cases"``: the count with the word that agrees with it."""
+    return f"{count} {singular if count == 1 else plural_form}"
+
+
 def worst_status(counts: Mapping[str, int]) -> str | None:
     """The most telling status among ``counts`` (see :data:`SEVERITY`); None when empty."""
     return next((status for status in SEVERITY if counts.get(status, 0)), None)

@@ -28,6 +28,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from conformance.statuses import plural
 from suites.cases import MISSING_DEPENDENCY_PREFIX
 
 CONFORMANT = "CONFORMANT"
@@ -36,10 +37,6 @@ INCOMPLETE = "INCOMPLETE"
 NOT_ASSESSED = "NOT ASSESSED"
 NOT_CLAIMED = "NOT CLAIMED"
 VERDICTS = (CONFORMANT, NOT_CONFORMANT, INCOMPLETE, NOT_ASSESSED, NOT_CLAIMED)
-
-
-def _plural(count: int, singular: str, plural: str) -> str:
-    return f"{count} {singular if count == 1 else plural}"
 
 
 @dataclass(frozen=True)
@@ -103,13 +100,13 @@ def profile_verdict(profile: Mapping[str, Any], *, complete: bool) -> Verdict:
             return Verdict(name, NOT_ASSESSED, "no case of it applied")
         if missing:
             unsupported = int(counts.get("UNSUPPORTED", 0))
-            cases = _plural(unsupported, "case", "cases")
+            cases = plural(unsupported, "case", "cases")
             return Verdict(name, NOT_CLAIMED, f"{cases} UNSUPPORTED", required=False)
         # Declared, but every case skipped here (a CPU run of a device-only feature).
-        skipped = _plural(int(counts.get("SKIP", 0)), "case", "cases")
+        skipped = plural(int(counts.get("SKIP", 0)), "case", "cases")
         return Verdict(name, NOT_ASSESSED, f"{skipped} skipped here", required=False)
     deviations = int(counts.get("XFAIL", 0))
-    detail = f"with {_plural(deviations, 'recorded deviation', 'recorded deviations')}"
+    detail = f"with {plural(deviations, 'recorded deviation', 'recorded deviations')}"
     return Verdict(name, CONFORMANT, detail if deviations else "")
 
 
@@ -123,11 +120,11 @@ def run_verdict(
         return Verdict("verdict", NOT_CONFORMANT, f"to {', '.join(failing)}")
     failed = int(counts.get("FAIL", 0))
     if failed:
-        return Verdict("verdict", NOT_CONFORMANT, f"{_plural(failed, 'test fails', 'tests fail')}")
+        return Verdict("verdict", NOT_CONFORMANT, f"{plural(failed, 'test fails', 'tests fail')}")
     if not complete:
         return Verdict("verdict", INCOMPLETE, "the run stopped before its end")
     if not_run:
-        modules = _plural(not_run, "suite module", "suite modules")
+        modules = plural(not_run, "suite module", "suite modules")
         return Verdict("verdict", INCOMPLETE, f"{modules} not run: a package is missing")
     if not profiles:
         return Verdict("verdict", NOT_ASSESSED, "no test of this run is a conformance case")
@@ -137,7 +134,7 @@ def run_verdict(
     if all(v.status in (NOT_CLAIMED, NOT_ASSESSED) for v in profiles):
         return Verdict("verdict", NOT_ASSESSED, "no case applied")
     deviations = int(counts.get("XFAIL", 0))
-    detail = f"with {_plural(deviations, 'recorded deviation', 'recorded deviations')}"
+    detail = f"with {plural(deviations, 'recorded deviation', 'recorded deviations')}"
     return Verdict("verdict", CONFORMANT, detail if deviations else "")
 
 

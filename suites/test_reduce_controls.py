@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from harness.comm import CommTracer
+from harness.comm import CommTracer, padded_numel
 from harness.parity import assert_sharded_parity
 from suites.cases import conformance, grid
 from suites.models import MLPStack
@@ -299,7 +299,7 @@ def test_all_reduce_hook_sees_and_changes_each_reduced_gradient(rank_ctx, impl, 
     model(inp).sum().backward()
     reference(inp).sum().backward()
     for index, mlp in enumerate(reference):
-        padded = sum(-(-p.shape[0] // shard) * p[0].numel() for p in mlp.parameters())
+        padded = sum(padded_numel(p.shape, shard) // shard for p in mlp.parameters())
         assert calls[index] == [(padded, torch.float32)], (
             f"the hook of MLP {index} ran {len(calls[index])} times with (numel, dtype) "
             f"{calls[index]}; expected once with this rank's padded shard rows: "

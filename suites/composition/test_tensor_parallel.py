@@ -30,7 +30,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from harness.comm import CommTracer
+from harness.comm import CommTracer, padded_numel
 from harness.parity import ReferenceModel, assert_losses_equal, assert_tensors_close
 from suites.cases import FAKE_DEVICE, conformance
 from suites.models import MLPStack, ModelArgs, Transformer
@@ -364,13 +364,6 @@ def expected_local(full_param: torch.Tensor, name: str, dp: tuple[int, int], tp:
     return chunks[dp[0]] if dp[0] < len(chunks) else tensor.new_empty((0, *tensor.shape[1:]))
 
 
-def padded_numel(tensor: torch.Tensor, parts: int) -> int:
-    """The per-rank numel of a dim-0 shard padded to equal parts (what the all-gather sends)."""
-    rows = tensor.shape[0]
-    per_row = tensor.numel() // max(rows, 1)
-    return -(-rows // parts) * per_row
-
-
 def assert_documented_layout(model, reference, what: str, dp, tp, *, grads: bool) -> None:
     ref = dict(reference.named_parameters())
     for name, param in model.named_parameters():
@@ -430,7 +423,7 @@ def test_tp_layout_and_collectives(rank_ctx, impl, mlp_dim):
     )
     gathers = trace.select("all_gather", group="dp")
     expected_sizes = [
-        sum(padded_numel(tp_locals[f"{index}.{name}"], dp[1]) for name in TP_DIM)
+        sum(padded_numel(tp_locals[f"{index}.{name}"].shape, dp[1]) // dp[1] for name in TP_DIM)
         for index in range(len(model))
     ]
     assert [(c.phase, c.numel) for c in gathers] == [("forward", n) for n in expected_sizes], (

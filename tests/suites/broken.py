@@ -76,6 +76,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from harness import torch_api
 from impl.api import Implementation, load_implementation
+from impl.reference.policies import gradient_divide_factors
 
 
 def _noop(*args: Any, **kwargs: Any) -> None:
@@ -103,13 +104,10 @@ def _install_summing_reduce_scatter() -> None:
         setattr(dist, name, _summing_reduce_scatter(getattr(dist, name)))
 
 
-def _overflow_safe_factors(world: int) -> tuple[int, float]:
-    # FSDP2's split of the default divisor for fp16/fp64: a power of two near sqrt(N) before
-    # the SUM, the rest after (2 and 1 at N=2, 2 and 2 at N=4).
-    pre = 1
-    while world % pre == 0 and world / pre > pre:
-        pre *= 2
-    return pre, world / pre
+def _overflow_safe_factors(world: int) -> tuple[float, float]:
+    # FSDP2's split of the default divisor for fp16/fp64, as the reference computes it: a
+    # power of two near sqrt(N) before the SUM, the rest after (2 and 1 at N=2, 2 and 2 at 4).
+    return gradient_divide_factors(world, torch.float16)
 
 
 def _reduce_scatter_wrapper(original: Callable, before: Callable, after: Callable) -> Callable:
