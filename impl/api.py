@@ -51,6 +51,8 @@ KNOWN_CAPABILITIES = frozenset(
         "ignored_params",  # fully_shard(ignored_params=...): left unsharded and unsynchronized
         "reset_iter_state",  # FSDPModule.reset_iter_state() after an exception mid-step
         "all_reduce_hook",  # FSDPModule.set_all_reduce_hook: a hook on each reduced gradient
+        # FSDPModule.set_custom_all_gather / set_custom_reduce_scatter: a user's collectives
+        "custom_comms",
         # FSDPModule.set_separate_reduce_scatter_group: reduce-scatters on a group of their own
         "separate_reduce_scatter_group",
         # FSDPModule.set_reduce_scatter_unused_params: zeros for parameters unused on a rank

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import Shard, distribute_tensor
 
+from harness import torch_api
 from suites.cases import conformance, grid
 
 Probe = Callable[[object, object, nn.Module], None]
@@ -141,6 +142,22 @@ def probe_reduce_scatter_unused_params(rank_ctx, impl, model: nn.Module) -> None
     train_once(model, rank_ctx.device)
 
 
+def probe_custom_comms(rank_ctx, impl, model: nn.Module) -> None:
+    impl.fully_shard(model)
+
+    class PlainAllGather:
+        def allocate(self, size, *, dtype, device):
+            return torch.empty(size, dtype=dtype, device=device)
+
+        def __call__(self, output_tensor, input_tensor, group, async_op=False):
+            return torch_api.all_gather_single(
+                output_tensor, input_tensor, group=group, async_op=async_op
+            )
+
+    model.set_custom_all_gather(PlainAllGather())
+    train_once(model, rank_ctx.device)
+
+
 #: capability -> (how to use it, words one of which the error must contain, lower case)
 PROBES: dict[str, tuple[Probe, tuple[str, ...]]] = {
     "replicate": (probe_replicate, ("replicate",)),
@@ -164,6 +181,7 @@ PROBES: dict[str, tuple[Probe, tuple[str, ...]]] = {
     "tp": (probe_tp, ("tensor parallel", "dtensor", "tp")),
     "ignored_params": (probe_ignored_params, ("ignored_params", "ignored")),
     "all_reduce_hook": (probe_all_reduce_hook, ("all_reduce_hook", "hook")),
+    "custom_comms": (probe_custom_comms, ("custom", "all_gather", "all-gather", "comm")),
     "separate_reduce_scatter_group": (
         probe_separate_reduce_scatter_group,
         ("separate_reduce_scatter_group", "reduce_scatter", "reduce-scatter"),

@@ -51,6 +51,7 @@ class ReferenceImplementation(Implementation):
             "reset_iter_state",
             "post_optim_event",
             "all_reduce_hook",
+            "custom_comms",
             "separate_reduce_scatter_group",
             "reduce_scatter_unused_params",
             # Composition (suites/composition): DCP, TP (DTensor parameters get the

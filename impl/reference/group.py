@@ -21,7 +21,8 @@ rank-major to param-major order (``split_with_sizes_copy``). The copy is unavoid
 than one parameter: a full parameter's rows come from every shard rank's slice of the output.
 Without an all-gather (``S == 1``: world size 1, ``replicate``) the unsharded parameters alias
 ``sharded_flat`` directly, unless mixed precision or offload make them a cast/copied
-``unsharded_flat`` of ``N`` elements.
+``unsharded_flat`` of ``N`` elements. A user's all-gather (``set_custom_all_gather``) takes the
+``all_gather_single``'s place, into a buffer it allocates; likewise a user's reduce-scatter.
 
 One gradient reduction (``_reduce``): the group's gradients, cast to the reduce dtype, laid out
 rank-major ``(S, n)``; one ``reduce_scatter_single`` (SUM) over the shard dim when ``S > 1``;
@@ -155,6 +156,9 @@ class ParamGroup:
         self.reduce_scatter_group: dist.ProcessGroup | None = None
         # Called with each reduced flat gradient before the division after the sum.
         self.all_reduce_hook: Callable[[torch.Tensor], None] | None = None
+        # A user's collectives in place of the group's own (collectives.py).
+        self.all_gather_comm: collectives.AllGather | None = None
+        self.reduce_scatter_comm: collectives.ReduceScatter | None = None
         # Kept for the API: every reduction here is a SUM already (see collectives.py).
         self.force_sum_reduction_for_comms = False
         # Communication in unshard happens only when parameters are split over several ranks.
@@ -256,8 +260,7 @@ class ParamGroup:
         else:
             source = self.sharded_flat.to(self.device, self.compute_dtype)
             group = self.shard_group
-        output = source.new_empty(self.shard_size * self.flat_numel)
-        work = collectives.all_gather_flat(output, source, group, async_op)
+        work, output = collectives.all_gather_flat(source, group, async_op, self.all_gather_comm)
         # ``source`` may be a temporary cast copy: keep it alive until the all-gather is done.
         self._pending_all_gather = (work, output, source)
 
@@ -451,7 +454,7 @@ class ParamGroup:
             rank_major.div_(pre_divide)
         if self.shard_size > 1:
             group = self.reduce_scatter_group or self.shard_group
-            reduced = collectives.reduce_scatter_sum(rank_major, group)
+            reduced = collectives.reduce_scatter_sum(rank_major, group, self.reduce_scatter_comm)
         else:
             reduced = rank_major[0]
         if self.replicate_group is not None:

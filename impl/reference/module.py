@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from impl.reference import collectives
 from impl.reference.group import UnshardHandle
 from impl.reference.state import state_of
 
@@ -160,6 +161,20 @@ class FSDPModule:
             if ranks not in groups:
                 groups[ranks] = dist.new_group(list(ranks), use_local_synchronization=True)
             group.reduce_scatter_group = groups[ranks]
+
+    def set_custom_all_gather(self, comm: collectives.AllGather) -> None:
+        """Every all-gather of this module's group runs ``comm``: into a buffer from its
+        ``allocate``, and what it leaves there is the unsharded parameters' data."""
+        group = self._fsdp_state().group
+        if group is not None:
+            group.all_gather_comm = comm
+
+    def set_custom_reduce_scatter(self, comm: collectives.ReduceScatter) -> None:
+        """Every reduce-scatter of this module's group runs ``comm``, with ``op=SUM`` (the
+        reference divides locally), between buffers from its ``allocate``."""
+        group = self._fsdp_state().group
+        if group is not None:
+            group.reduce_scatter_comm = comm
 
     def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
         """Accepted for FSDP2's API; the reference always reduces with SUM and divides locally."""

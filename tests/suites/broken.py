@@ -14,6 +14,10 @@ numerics
 * ``ignore_reduce_scatter_divide_factor``: its older name ``set_reduce_scatter_divide_factor``
   does nothing;
 * ``ignore_all_reduce_hook``: ``set_all_reduce_hook`` does nothing;
+* ``ignore_custom_all_gather`` / ``ignore_custom_reduce_scatter``: ``set_custom_all_gather`` /
+  ``set_custom_reduce_scatter`` do nothing;
+* ``custom_all_gather_output_discarded``: the custom all-gather is called, into its own buffer,
+  and then that buffer is overwritten by a plain all-gather of the same input;
 * ``ignore_reduce_scatter_unused_params``: ``set_reduce_scatter_unused_params`` does nothing;
 * ``ignore_separate_reduce_scatter_group``: ``set_separate_reduce_scatter_group`` does nothing;
 * ``skip_post_divide``: the fp16/fp64 reduction leaves out its division after the SUM (the
@@ -259,6 +263,30 @@ def _blocking_async_unshard(module: nn.Module) -> None:
     module.unshard = unshard
 
 
+class _OutputDiscarded:
+    """A user's all-gather that runs, and whose output is then replaced by a plain gather."""
+
+    def __init__(self, comm: Any) -> None:
+        self.comm = comm
+
+    def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return self.comm.allocate(size, dtype=dtype, device=device)
+
+    def __call__(
+        self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, async_op=False
+    ) -> None:
+        source = input_tensor.clone()  # the input may be a slice of the output
+        work = self.comm(output_tensor=output_tensor, input_tensor=input_tensor, group=group)
+        if work is not None:
+            work.wait()
+        torch_api.all_gather_single(output_tensor, source, group=group)
+
+
+def _discard_custom_all_gather_output(module: nn.Module) -> None:
+    original = module.set_custom_all_gather
+    module.set_custom_all_gather = lambda comm: original(_OutputDiscarded(comm))
+
+
 # Each breakage: how it changes fully_shard's keyword arguments, and what it does to the
 # managed module afterwards.
 def _int_reshard_as_true(impl: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -295,6 +323,9 @@ _MODULE: dict[str, Callable[[nn.Module], None]] = {
     "ignore_gradient_sync": lambda m: setattr(m, "set_requires_gradient_sync", _noop),
     "ignore_divide_factor": lambda m: setattr(m, "set_gradient_divide_factor", _noop),
     "ignore_all_reduce_hook": lambda m: setattr(m, "set_all_reduce_hook", _noop),
+    "ignore_custom_all_gather": lambda m: setattr(m, "set_custom_all_gather", _noop),
+    "ignore_custom_reduce_scatter": lambda m: setattr(m, "set_custom_reduce_scatter", _noop),
+    "custom_all_gather_output_discarded": _discard_custom_all_gather_output,
     "ignore_reduce_scatter_unused_params": lambda m: setattr(
         m, "set_reduce_scatter_unused_params", _noop
     ),

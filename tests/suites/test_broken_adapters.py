@@ -251,6 +251,24 @@ ROWS = [
         "ran 0 times",
     ),
     row(
+        "test_custom_comms",
+        "test_custom_collectives_replace_the_implementations[ws2-mesh=1d]",
+        "ignore_custom_all_gather_torch",
+        "forward with the custom all-gather's weights",
+    ),
+    row(
+        "test_custom_comms",
+        "test_custom_collectives_replace_the_implementations[ws4-mesh=hsdp]",
+        "custom_all_gather_output_discarded_torch",
+        "forward with the custom all-gather's weights",
+    ),
+    row(
+        "test_custom_comms",
+        "test_custom_collectives_replace_the_implementations[ws4-mesh=hsdp]",
+        "ignore_custom_reduce_scatter_torch",
+        "custom reduce-scatter of MLP 0 ran 0 times",
+    ),
+    row(
         "test_reduce_controls",
         "test_fp16_reduction_survives_a_sum_beyond_its_range[ws4]",
         "sum_before_divide_torch",
