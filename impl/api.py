@@ -57,6 +57,8 @@ KNOWN_CAPABILITIES = frozenset(
         "separate_reduce_scatter_group",
         # FSDPModule.set_reduce_scatter_unused_params: zeros for parameters unused on a rank
         "reduce_scatter_unused_params",
+        # FSDPModule.set_reduce_scatter_max_input_buffers: reduce-scatter inputs in flight
+        "reduce_scatter_max_input_buffers",
     }
 )
 

@@ -27,6 +27,8 @@ def _installed_capabilities() -> frozenset[str]:
         absent.add("separate_reduce_scatter_group")
     if not hasattr(fsdp.FSDPModule, "set_reduce_scatter_unused_params"):  # from torch 2.13
         absent.add("reduce_scatter_unused_params")
+    if not hasattr(fsdp.FSDPModule, "set_reduce_scatter_max_input_buffers"):  # from torch 2.13
+        absent.add("reduce_scatter_max_input_buffers")
     return KNOWN_CAPABILITIES - absent
 
 

@@ -391,3 +391,43 @@ def test_parameters_unused_on_some_ranks_reduce_as_zeros(rank_ctx, impl):
         dist.all_reduce(param.grad)
         param.grad /= rank_ctx.world_size
     assert_sharded_parity(reference, model)
+
+
+# --- reduce-scatter input buffers in flight -----------------------------------------------------
+
+
+@conformance("fsdp.reduce_controls.max_input_buffers")
+@pytest.mark.parametrize("point", grid(buffers=[1, 2, 3]))
+def test_reduce_scatter_input_buffers_change_no_gradient(rank_ctx, impl, point):
+    """``set_reduce_scatter_max_input_buffers(k)``: how many reduce-scatter input buffers may be
+    in flight trades memory for overlap; over two accumulating backwards the gradients are the
+    plain average and each group still reduce-scatters once per backward. A cap below 1 is
+    refused. Fails on ``tests.suites.broken:max_input_buffers_unchecked`` ("a cap of 0 was
+    accepted")."""
+    with torch.device(rank_ctx.device):
+        model = MLPStack(8)
+    reference = copy.deepcopy(model)
+    for mlp in model:
+        impl.fully_shard(mlp)
+    impl.fully_shard(model)
+    for cap in (0, -1):
+        try:
+            model.set_reduce_scatter_max_input_buffers(cap)
+        except (ValueError, TypeError):
+            continue
+        pytest.fail(f"set_reduce_scatter_max_input_buffers: a cap of {cap} was accepted")
+    model.set_reduce_scatter_max_input_buffers(point["buffers"])
+    torch.manual_seed(42 + rank_ctx.rank + 1)
+    for step in range(2):
+        inp = torch.randn(4, 8, device=rank_ctx.device)
+        with CommTracer(functional=False) as trace:
+            model(inp).sum().backward()
+        reference(inp).sum().backward()
+        scatters = len(trace.select("reduce_scatter"))
+        assert scatters == len(model), (
+            f"backward {step}: {scatters} reduce-scatters; expected one per group ({len(model)})"
+        )
+    for param in reference.parameters():
+        dist.all_reduce(param.grad)
+        param.grad /= rank_ctx.world_size
+    assert_sharded_parity(reference, model)

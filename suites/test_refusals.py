@@ -158,6 +158,12 @@ def probe_custom_comms(rank_ctx, impl, model: nn.Module) -> None:
     train_once(model, rank_ctx.device)
 
 
+def probe_reduce_scatter_max_input_buffers(rank_ctx, impl, model: nn.Module) -> None:
+    impl.fully_shard(model)
+    model.set_reduce_scatter_max_input_buffers(2)
+    train_once(model, rank_ctx.device)
+
+
 #: capability -> (how to use it, words one of which the error must contain, lower case)
 PROBES: dict[str, tuple[Probe, tuple[str, ...]]] = {
     "replicate": (probe_replicate, ("replicate",)),
@@ -185,6 +191,10 @@ PROBES: dict[str, tuple[Probe, tuple[str, ...]]] = {
     "separate_reduce_scatter_group": (
         probe_separate_reduce_scatter_group,
         ("separate_reduce_scatter_group", "reduce_scatter", "reduce-scatter"),
+    ),
+    "reduce_scatter_max_input_buffers": (
+        probe_reduce_scatter_max_input_buffers,
+        ("max_input_buffers", "input buffers", "reduce_scatter"),
     ),
     "reduce_scatter_unused_params": (
         probe_reduce_scatter_unused_params,

@@ -54,6 +54,7 @@ class ReferenceImplementation(Implementation):
             "custom_comms",
             "separate_reduce_scatter_group",
             "reduce_scatter_unused_params",
+            "reduce_scatter_max_input_buffers",
             # Composition (suites/composition): DCP, TP (DTensor parameters get the
             # data-parallel dims in front) and every pipeline schedule pass (pp: the suite's
             # DataParallelStage drives data parallelism for it; the engine drives only torch's

@@ -143,6 +143,19 @@ class FSDPModule:
             if state.group is not None:
                 state.group.reduce_scatter_unused_params = reduce_scatter_unused_params
 
+    def set_reduce_scatter_max_input_buffers(
+        self, max_input_buffers: int, *, recurse: bool = True
+    ) -> None:
+        """How many reduce-scatter input buffers may be in flight: a memory/overlap dial for
+        asynchronous reduce-scatters. The reference reduces synchronously, one buffer at a time,
+        so any cap holds; it is still checked (an int of at least 1, not a bool)."""
+        if isinstance(max_input_buffers, bool) or not isinstance(max_input_buffers, int):
+            raise TypeError(
+                f"max_input_buffers must be an int, got {type(max_input_buffers).__name__}"
+            )
+        if max_input_buffers < 1:
+            raise ValueError(f"max_input_buffers must be at least 1, got {max_input_buffers}")
+
     def set_separate_reduce_scatter_group(
         self, enable: bool = True, *, recurse: bool = True
     ) -> None:

@@ -18,6 +18,8 @@ numerics
   ``set_custom_reduce_scatter`` do nothing;
 * ``custom_all_gather_output_discarded``: the custom all-gather is called, into its own buffer,
   and then that buffer is overwritten by a plain all-gather of the same input;
+* ``max_input_buffers_unchecked``: ``set_reduce_scatter_max_input_buffers`` raises a cap below 1
+  to 1 instead of refusing it;
 * ``ignore_reduce_scatter_unused_params``: ``set_reduce_scatter_unused_params`` does nothing;
 * ``ignore_separate_reduce_scatter_group``: ``set_separate_reduce_scatter_group`` does nothing;
 * ``skip_post_divide``: the fp16/fp64 reduction leaves out its division after the SUM (the
@@ -282,6 +284,11 @@ class _OutputDiscarded:
         torch_api.all_gather_single(output_tensor, source, group=group)
 
 
+def _unchecked_max_input_buffers(module: nn.Module) -> None:
+    original = module.set_reduce_scatter_max_input_buffers
+    module.set_reduce_scatter_max_input_buffers = lambda cap, **kw: original(max(cap, 1), **kw)
+
+
 def _discard_custom_all_gather_output(module: nn.Module) -> None:
     original = module.set_custom_all_gather
     module.set_custom_all_gather = lambda comm: original(_OutputDiscarded(comm))
@@ -326,6 +333,7 @@ _MODULE: dict[str, Callable[[nn.Module], None]] = {
     "ignore_custom_all_gather": lambda m: setattr(m, "set_custom_all_gather", _noop),
     "ignore_custom_reduce_scatter": lambda m: setattr(m, "set_custom_reduce_scatter", _noop),
     "custom_all_gather_output_discarded": _discard_custom_all_gather_output,
+    "max_input_buffers_unchecked": _unchecked_max_input_buffers,
     "ignore_reduce_scatter_unused_params": lambda m: setattr(
         m, "set_reduce_scatter_unused_params", _noop
     ),
