@@ -59,6 +59,8 @@ KNOWN_CAPABILITIES = frozenset(
         "reduce_scatter_unused_params",
         # FSDPModule.set_reduce_scatter_max_input_buffers: reduce-scatter inputs in flight
         "reduce_scatter_max_input_buffers",
+        # fully_shard/replicate(dp_mesh_dims=DataParallelMeshDims(...)): a full SPMD mesh
+        "dp_mesh_dims",
     }
 )
 
@@ -74,6 +76,9 @@ class Implementation(ABC):
     MixedPrecisionPolicy: type
     OffloadPolicy: type
     CPUOffloadPolicy: type
+    #: FSDP2's ``DataParallelMeshDims`` (capability ``dp_mesh_dims``), built by suites with its
+    #: field names; ``None`` where the implementation has none.
+    DataParallelMeshDims: type | None = None
     #: ``isinstance(module, impl.FSDPModule)`` is true for every managed module.
     FSDPModule: type
 
@@ -112,11 +117,14 @@ class Implementation(ABC):
         mp_policy: Any = None,
         offload_policy: Any = None,
         ignored_params: set[nn.Parameter] | None = None,
+        dp_mesh_dims: Any = None,
     ) -> Any:
         """Shard ``module`` (a list makes one group). ``None`` policies mean the defaults.
 
         ``ignored_params`` (capability ``ignored_params``) stay plain local parameters: not
-        sharded, not gathered, their gradients not reduced.
+        sharded, not gathered, their gradients not reduced. ``dp_mesh_dims`` (capability
+        ``dp_mesh_dims``; suites pass it only then) names the data-parallel dims of ``mesh``,
+        a full SPMD mesh whose ``DTensor`` parameters are ``Replicate()`` on those dims.
         """
 
     @abstractmethod
@@ -128,9 +136,10 @@ class Implementation(ABC):
         mp_policy: Any = None,
         offload_policy: Any = None,
         ignored_params: set[nn.Parameter] | None = None,
+        dp_mesh_dims: Any = None,
     ) -> Any:
         """Replicate ``module`` with DDP semantics on the same machinery; ``ignored_params``
-        as for :meth:`fully_shard` (not replicated, their gradients not all-reduced)."""
+        and ``dp_mesh_dims`` (a replicate dim only) as for :meth:`fully_shard`."""
 
     @abstractmethod
     def register_fsdp_forward_method(self, module: nn.Module, method_name: str) -> None:

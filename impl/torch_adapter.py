@@ -29,7 +29,14 @@ def _installed_capabilities() -> frozenset[str]:
         absent.add("reduce_scatter_unused_params")
     if not hasattr(fsdp.FSDPModule, "set_reduce_scatter_max_input_buffers"):  # from torch 2.13
         absent.add("reduce_scatter_max_input_buffers")
+    if not hasattr(fsdp, "DataParallelMeshDims"):  # from torch 2.12
+        absent.add("dp_mesh_dims")
     return KNOWN_CAPABILITIES - absent
+
+
+def _named_dims(dp_mesh_dims: Any) -> dict[str, Any]:
+    """``dp_mesh_dims`` as a keyword only when given: torch 2.11 has no such argument."""
+    return {} if dp_mesh_dims is None else {"dp_mesh_dims": dp_mesh_dims}
 
 
 class TorchImplementation(Implementation):
@@ -38,6 +45,7 @@ class TorchImplementation(Implementation):
     MixedPrecisionPolicy = fsdp.MixedPrecisionPolicy
     OffloadPolicy = fsdp.OffloadPolicy
     CPUOffloadPolicy = fsdp.CPUOffloadPolicy
+    DataParallelMeshDims = getattr(fsdp, "DataParallelMeshDims", None)  # torch 2.12+
     FSDPModule = fsdp.FSDPModule
 
     def fully_shard(
@@ -50,6 +58,7 @@ class TorchImplementation(Implementation):
         mp_policy: Any = None,
         offload_policy: Any = None,
         ignored_params: set[nn.Parameter] | None = None,
+        dp_mesh_dims: Any = None,
     ) -> Any:
         return fsdp.fully_shard(
             module,
@@ -59,6 +68,7 @@ class TorchImplementation(Implementation):
             mp_policy=mp_policy if mp_policy is not None else fsdp.MixedPrecisionPolicy(),
             offload_policy=offload_policy if offload_policy is not None else fsdp.OffloadPolicy(),
             ignored_params=ignored_params,
+            **_named_dims(dp_mesh_dims),
         )
 
     def replicate(
@@ -69,6 +79,7 @@ class TorchImplementation(Implementation):
         mp_policy: Any = None,
         offload_policy: Any = None,
         ignored_params: set[nn.Parameter] | None = None,
+        dp_mesh_dims: Any = None,
     ) -> Any:
         return _torch_private.torch_replicate()(
             module,
@@ -76,6 +87,7 @@ class TorchImplementation(Implementation):
             mp_policy=mp_policy if mp_policy is not None else fsdp.MixedPrecisionPolicy(),
             offload_policy=offload_policy if offload_policy is not None else fsdp.OffloadPolicy(),
             ignored_params=ignored_params,
+            **_named_dims(dp_mesh_dims),
         )
 
     def register_fsdp_forward_method(self, module: nn.Module, method_name: str) -> None:

@@ -14,11 +14,18 @@ no call of the implementation's own to refuse.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import pytest
 import torch
 from torch import nn
-from torch.distributed.tensor import Shard, distribute_tensor
+from torch.distributed.tensor import (
+    DTensor,
+    Replicate,
+    Shard,
+    distribute_module,
+    distribute_tensor,
+)
 
 from harness import torch_api
 from suites.cases import conformance, grid
@@ -164,6 +171,23 @@ def probe_reduce_scatter_max_input_buffers(rank_ctx, impl, model: nn.Module) -> 
     train_once(model, rank_ctx.device)
 
 
+@dataclass
+class NamedDims:
+    """Stands in for ``DataParallelMeshDims`` where the implementation has none."""
+
+    shard: str | None = None
+    replicate: str | None = None
+
+
+def probe_dp_mesh_dims(rank_ctx, impl, model: nn.Module) -> None:
+    mesh = rank_ctx.mesh((rank_ctx.world_size,), ("dp",))
+    distribute_module(model, mesh)
+    dims = (impl.DataParallelMeshDims or NamedDims)(shard="dp")
+    impl.fully_shard(model, mesh=mesh, dp_mesh_dims=dims)
+    inp = torch.randn(2, 8, device=rank_ctx.device)
+    model(DTensor.from_local(inp, mesh, [Replicate()], run_check=False)).to_local().sum().backward()
+
+
 #: capability -> (how to use it, words one of which the error must contain, lower case)
 PROBES: dict[str, tuple[Probe, tuple[str, ...]]] = {
     "replicate": (probe_replicate, ("replicate",)),
@@ -187,6 +211,7 @@ PROBES: dict[str, tuple[Probe, tuple[str, ...]]] = {
     "tp": (probe_tp, ("tensor parallel", "dtensor", "tp")),
     "ignored_params": (probe_ignored_params, ("ignored_params", "ignored")),
     "all_reduce_hook": (probe_all_reduce_hook, ("all_reduce_hook", "hook")),
+    "dp_mesh_dims": (probe_dp_mesh_dims, ("dp_mesh_dims", "mesh dims", "spmd")),
     "custom_comms": (probe_custom_comms, ("custom", "all_gather", "all-gather", "comm")),
     "separate_reduce_scatter_group": (
         probe_separate_reduce_scatter_group,

@@ -15,12 +15,14 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from impl.api import Implementation
 from impl.reference.fully_shard import fully_shard, register_fsdp_forward_method, replicate
+from impl.reference.mesh import DataParallelMeshDims
 from impl.reference.module import FSDPModule, ReplicateModule
 from impl.reference.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from impl.reference.state import FSDPState, state_of
 
 __all__ = [
     "CPUOffloadPolicy",
+    "DataParallelMeshDims",
     "FSDPModule",
     "MixedPrecisionPolicy",
     "OffloadPolicy",
@@ -55,6 +57,7 @@ class ReferenceImplementation(Implementation):
             "separate_reduce_scatter_group",
             "reduce_scatter_unused_params",
             "reduce_scatter_max_input_buffers",
+            "dp_mesh_dims",
             # Composition (suites/composition): DCP, TP (DTensor parameters get the
             # data-parallel dims in front) and every pipeline schedule pass (pp: the suite's
             # DataParallelStage drives data parallelism for it; the engine drives only torch's
@@ -67,6 +70,7 @@ class ReferenceImplementation(Implementation):
     MixedPrecisionPolicy = MixedPrecisionPolicy
     OffloadPolicy = OffloadPolicy
     CPUOffloadPolicy = CPUOffloadPolicy
+    DataParallelMeshDims = DataParallelMeshDims
     FSDPModule = FSDPModule
 
     def fully_shard(
@@ -79,6 +83,7 @@ class ReferenceImplementation(Implementation):
         mp_policy: Any = None,
         offload_policy: Any = None,
         ignored_params: set[nn.Parameter] | None = None,
+        dp_mesh_dims: Any = None,
     ) -> Any:
         return fully_shard(
             module,
@@ -88,6 +93,7 @@ class ReferenceImplementation(Implementation):
             mp_policy=mp_policy if mp_policy is not None else MixedPrecisionPolicy(),
             offload_policy=offload_policy if offload_policy is not None else OffloadPolicy(),
             ignored_params=ignored_params,
+            dp_mesh_dims=dp_mesh_dims,
         )
 
     def replicate(
@@ -98,6 +104,7 @@ class ReferenceImplementation(Implementation):
         mp_policy: Any = None,
         offload_policy: Any = None,
         ignored_params: set[nn.Parameter] | None = None,
+        dp_mesh_dims: Any = None,
     ) -> Any:
         return replicate(
             module,
@@ -105,6 +112,7 @@ class ReferenceImplementation(Implementation):
             mp_policy=mp_policy if mp_policy is not None else MixedPrecisionPolicy(),
             offload_policy=offload_policy if offload_policy is not None else OffloadPolicy(),
             ignored_params=ignored_params,
+            dp_mesh_dims=dp_mesh_dims,
         )
 
     def register_fsdp_forward_method(self, module: nn.Module, method_name: str) -> None:

@@ -18,7 +18,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import Placement, Replicate, Shard
 
-from impl.reference.group import DataParallelMesh, ParamGroup
+from impl.reference.group import ParamGroup
+from impl.reference.mesh import DataParallelMesh, DataParallelMeshDims
 from impl.reference.module import FSDPModule, ReplicateModule
 from impl.reference.param import ManagedParam, ParamLocation
 from impl.reference.policies import MixedPrecisionPolicy, OffloadPolicy, require_supported_policies
@@ -41,6 +42,7 @@ def fully_shard(
     mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),  # noqa: B008 (frozen dataclass)
     offload_policy: OffloadPolicy = OffloadPolicy(),  # noqa: B008
     ignored_params: set[nn.Parameter] | None = None,
+    dp_mesh_dims: DataParallelMeshDims | None = None,
 ) -> ModuleOrList:
     """Shard ``module``'s parameters (a list makes one group of several modules).
 
@@ -57,11 +59,20 @@ def fully_shard(
     unsharded parameters after forward, so backward all-gathers within groups of ``k``
     consecutive ranks (``k == 1`` means ``False``, ``k == `` the shard dim's size means
     ``True``).
+
+    ``dp_mesh_dims`` makes ``mesh`` the whole SPMD mesh (``mesh.py``): the parameters must be
+    ``DTensor``s on it, ``Replicate()`` on the named dims, which are the only ones sharded
+    over and reduced over.
     """
     mesh = mesh if mesh is not None else _default_mesh(None)
-    dp_mesh = DataParallelMesh.for_fully_shard(mesh)
+    dp_mesh = DataParallelMesh.for_fully_shard(mesh, dp_mesh_dims)
     shard_size = dp_mesh.shard_size
     _check_reshard_after_forward(reshard_after_forward, shard_size)
+    is_int = isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool)
+    if dp_mesh.spmd and is_int:
+        raise NotImplementedError(
+            "reshard_after_forward as an int is not implemented with dp_mesh_dims"
+        )
 
     def placement(param: nn.Parameter) -> Placement:
         chosen = shard_placement_fn(param) if shard_placement_fn is not None else None
@@ -74,7 +85,6 @@ def fully_shard(
         return Shard(chosen.dim % param.ndim) if param.ndim else chosen
 
     post_forward_mesh = None
-    is_int = isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool)
     if is_int and 1 < reshard_after_forward < shard_size:
         # Collective: every rank calls fully_shard in the same order, so all create it. Rows
         # of k consecutive mesh entries lie inside one shard group since k divides its size.
@@ -99,15 +109,15 @@ def replicate(
     mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),  # noqa: B008
     offload_policy: OffloadPolicy = OffloadPolicy(),  # noqa: B008
     ignored_params: set[nn.Parameter] | None = None,
+    dp_mesh_dims: DataParallelMeshDims | None = None,
 ) -> ModuleOrList:
     """Data parallelism with replicated parameters: one all-reduce per group per synced backward.
-    ``ignored_params`` stay plain local parameters, their gradients not all-reduced."""
+    ``ignored_params`` stay plain local parameters, their gradients not all-reduced.
+    ``dp_mesh_dims`` (a replicate dim only) names the data-parallel dim of a whole SPMD mesh."""
     mesh = mesh if mesh is not None else _default_mesh(("replicate",))
-    if mesh.ndim != 1:
-        raise ValueError(f"replicate expects a 1-D DeviceMesh, got {mesh.ndim} dims: {mesh}")
     return _manage(
         module,
-        DataParallelMesh.for_replicate(mesh),
+        DataParallelMesh.for_replicate(mesh, dp_mesh_dims),
         lambda _: Replicate(),
         False,
         mp_policy,
@@ -162,7 +172,6 @@ def _manage(
             kind = "replicate" if state_of(m).replicated else "fully_shard"
             raise RuntimeError(f"{api}: {type(m).__name__} is already managed by {kind}")
     device = _device_of(dp_mesh.mesh)
-    shard_size, shard_rank = dp_mesh.shard_size, dp_mesh.shard_rank
 
     originals: list[nn.Parameter] = []
     managed: list[ManagedParam] = []
@@ -181,10 +190,8 @@ def _manage(
             fqn,
             param,
             [ParamLocation(owner, name)],
-            dp_mesh.mesh,
-            dp_mesh.placements(placement(param)),
-            shard_size,
-            shard_rank,
+            dp_mesh,
+            placement(param),
         )
         by_identity[id(param)] = mp
         originals.append(param)

@@ -1,9 +1,7 @@
 """A parameter group: the parameters of one ``fully_shard``/``replicate`` call and their traffic.
 
-Meshes. A group's mesh has a *shard* dim, a *replicate* dim, or both (``DataParallelMesh``):
-``fully_shard`` on a 1-D mesh shards over it; on a 2-D mesh ``(replicate, shard)`` (HSDP) it
-shards over dim 1 and replicates over dim 0; ``replicate`` replicates over its 1-D mesh.
-``S`` below is the shard dim's size (1 for ``replicate``).
+A group's mesh has a *shard* dim, a *replicate* dim, or both (``mesh.py``). ``S`` below is
+the shard dim's size (1 for ``replicate``).
 
 Memory layout (``N`` = sum of the padded local shard sizes)::
 
@@ -44,65 +42,17 @@ from __future__ import annotations
 import math
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Placement, Replicate
 
 from impl.reference import collectives, policies
+from impl.reference.mesh import DataParallelMesh
 from impl.reference.param import ManagedParam
 from impl.reference.policies import MixedPrecisionPolicy, OffloadPolicy
 from impl.reference.tensor_parallel import local_data
-
-
-@dataclass(frozen=True)
-class DataParallelMesh:
-    """Which dim of ``mesh`` parameters are sharded over and which they are replicated over."""
-
-    mesh: DeviceMesh
-    shard_dim: int | None
-    replicate_dim: int | None
-
-    @classmethod
-    def for_fully_shard(cls, mesh: DeviceMesh) -> DataParallelMesh:
-        if mesh.ndim == 1:
-            return cls(mesh, shard_dim=0, replicate_dim=None)
-        if mesh.ndim == 2:
-            return cls(mesh, shard_dim=1, replicate_dim=0)
-        raise ValueError(
-            f"fully_shard expects a 1-D mesh (shard) or a 2-D mesh (replicate, shard), got "
-            f"{mesh.ndim} dims: {mesh}"
-        )
-
-    @classmethod
-    def for_replicate(cls, mesh: DeviceMesh) -> DataParallelMesh:
-        return cls(mesh, shard_dim=None, replicate_dim=0)
-
-    @property
-    def shard_size(self) -> int:
-        return 1 if self.shard_dim is None else self.mesh.size(self.shard_dim)
-
-    @property
-    def shard_rank(self) -> int:
-        return 0 if self.shard_dim is None else self.mesh.get_local_rank(self.shard_dim)
-
-    @property
-    def replicate_size(self) -> int:
-        return 1 if self.replicate_dim is None else self.mesh.size(self.replicate_dim)
-
-    def group(self, dim: int | None) -> dist.ProcessGroup | None:
-        return None if dim is None else self.mesh.get_group(dim)
-
-    def placements(self, over_shard_dim: Placement) -> tuple[Placement, ...]:
-        """One placement per mesh dim: ``Replicate()`` on the replicate dim."""
-        if self.shard_dim is None:
-            return (Replicate(),)
-        if self.replicate_dim is None:
-            return (over_shard_dim,)
-        return (Replicate(), over_shard_dim)
 
 
 class UnshardHandle:

@@ -25,10 +25,10 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Shard
 
 from impl import _torch_private
+from impl.reference.mesh import DataParallelMesh
 from impl.reference.sharding import ShardLayout
 from impl.reference.tensor_parallel import ModelParallelSpec, local_data, sharded_layout
 
@@ -58,13 +58,12 @@ def alias_storage(storage_owner: torch.Tensor, offset: int, shape: torch.Size) -
 class ManagedParam:
     """A parameter of a group: its placements, its sharded storage and its registration.
 
-    ``dp_placements`` has one entry per data-parallel mesh dim; the last one says how the
-    parameter is split over the shard dim (``Shard(d)``) or that it is not split at all
-    (``Replicate()``). ``shard_size`` and ``shard_rank`` are the size of that dim and this rank's
-    index in it. ``mesh`` and ``placements`` are those of the sharded ``DTensor``: the
-    data-parallel ones, followed by the model-parallel ones for a TP parameter. ``shape`` is
-    the shape of what is sharded (for a TP ``DTensor``: its local tensor), ``global_shape`` the
-    parameter's shape.
+    ``placement`` says how the parameter is split over the shard dim of ``dp_mesh``
+    (``Shard(d)``) or that it is not split at all (``Replicate()``). ``mesh`` and
+    ``placements`` are those of the sharded ``DTensor``: the data-parallel ones, followed by
+    the model-parallel ones for a TP parameter (or, with ``dp_mesh_dims``, the parameter's own
+    with the shard dim's replaced). ``shape`` is the shape of what is sharded (for a
+    ``DTensor``: its local tensor), ``global_shape`` the parameter's shape.
     """
 
     def __init__(
@@ -72,17 +71,16 @@ class ManagedParam:
         fqn: str,
         original: nn.Parameter,
         locations: list[ParamLocation],
-        dp_mesh: DeviceMesh,
-        dp_placements: tuple[Placement, ...],
-        shard_size: int,
-        shard_rank: int,
+        dp_mesh: DataParallelMesh,
+        placement: Placement,
     ) -> None:
         self.fqn = fqn
         self.locations = locations
         # How the data-parallel shard dim splits the parameter: Shard(d) or Replicate().
-        self.placement = dp_placements[-1]
-        self.model_parallel = ModelParallelSpec.of(original)
-        self.mesh, self.placements = sharded_layout(dp_mesh, dp_placements, original)
+        self.placement = placement
+        self.model_parallel = ModelParallelSpec.of(original, dp_mesh)
+        self.mesh, self.placements = sharded_layout(dp_mesh, placement, self.model_parallel)
+        shard_size, shard_rank = dp_mesh.shard_size, dp_mesh.shard_rank
         self.shape = local_data(original).shape
         self.dtype = original.dtype
         self.requires_grad = original.requires_grad

@@ -20,6 +20,9 @@ numerics
   and then that buffer is overwritten by a plain all-gather of the same input;
 * ``max_input_buffers_unchecked``: ``set_reduce_scatter_max_input_buffers`` raises a cap below 1
   to 1 instead of refusing it;
+* ``dp_mesh_dims_on_the_wrong_dim``: ``dp_mesh_dims`` is passed on with its dims moved: shard
+  and replicate swapped when both are named, otherwise the named dim replaced by another mesh
+  dim;
 * ``ignore_reduce_scatter_unused_params``: ``set_reduce_scatter_unused_params`` does nothing;
 * ``ignore_separate_reduce_scatter_group``: ``set_separate_reduce_scatter_group`` does nothing;
 * ``skip_post_divide``: the fp16/fp64 reduction leaves out its division after the SUM (the
@@ -296,6 +299,22 @@ def _discard_custom_all_gather_output(module: nn.Module) -> None:
 
 # Each breakage: how it changes fully_shard's keyword arguments, and what it does to the
 # managed module afterwards.
+def _dp_mesh_dims_moved(impl: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
+    dims, mesh = kwargs.get("dp_mesh_dims"), kwargs.get("mesh")
+    if dims is None or mesh is None:
+        return kwargs
+    if dims.shard is not None and dims.replicate is not None:
+        moved = impl.DataParallelMeshDims(shard=dims.replicate, replicate=dims.shard)
+    else:
+        named = dims.shard if dims.shard is not None else dims.replicate
+        other = next(name for name in mesh.mesh_dim_names if name != named)
+        moved = impl.DataParallelMeshDims(
+            shard=other if dims.shard is not None else None,
+            replicate=other if dims.replicate is not None else None,
+        )
+    return {**kwargs, "dp_mesh_dims": moved}
+
+
 def _int_reshard_as_true(impl: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
     value = kwargs.get("reshard_after_forward")
     if isinstance(value, int) and not isinstance(value, bool):
@@ -305,6 +324,7 @@ def _int_reshard_as_true(impl: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
 
 _KWARGS: dict[str, Callable[[Any, dict[str, Any]], dict[str, Any]]] = {
     "int_reshard_as_true": _int_reshard_as_true,
+    "dp_mesh_dims_on_the_wrong_dim": _dp_mesh_dims_moved,
     "ignore_reduce_dtype": lambda impl, kw: {
         **kw,
         "mp_policy": None
@@ -376,6 +396,7 @@ class BrokenImplementation(Implementation):
         self.MixedPrecisionPolicy = self.base.MixedPrecisionPolicy
         self.OffloadPolicy = self.base.OffloadPolicy
         self.CPUOffloadPolicy = self.base.CPUOffloadPolicy
+        self.DataParallelMeshDims = self.base.DataParallelMeshDims
         self.FSDPModule = self.base.FSDPModule
 
     def _arguments(self, kwargs: dict[str, Any]) -> dict[str, Any]:

@@ -275,6 +275,12 @@ ROWS = [
         "a cap of 0 was accepted",
     ),
     row(
+        "test_dp_mesh_dims",
+        "test_named_data_parallel_dims_of_a_full_mesh[ws4-dims=hsdp]",
+        "dp_mesh_dims_on_the_wrong_dim_torch",
+        "placements of '0.in_proj.weight'",
+    ),
+    row(
         "test_reduce_controls",
         "test_fp16_reduction_survives_a_sum_beyond_its_range[ws4]",
         "sum_before_divide_torch",
