@@ -61,6 +61,10 @@ KNOWN_CAPABILITIES = frozenset(
         "reduce_scatter_max_input_buffers",
         # fully_shard/replicate(dp_mesh_dims=DataParallelMeshDims(...)): a full SPMD mesh
         "dp_mesh_dims",
+        # FSDPModule.set_manual_backward_finalization / finalize_backward (torch 2.15)
+        "manual_backward_finalization",
+        # FSDPModule.set_keep_unsharded_storage: the same unsharded memory on every unshard
+        "keep_unsharded_storage",
     }
 )
 

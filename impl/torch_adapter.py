@@ -31,6 +31,10 @@ def _installed_capabilities() -> frozenset[str]:
         absent.add("reduce_scatter_max_input_buffers")
     if not hasattr(fsdp, "DataParallelMeshDims"):  # from torch 2.12
         absent.add("dp_mesh_dims")
+    if not hasattr(fsdp.FSDPModule, "finalize_backward"):  # from torch 2.15
+        absent.add("manual_backward_finalization")
+    if not hasattr(fsdp.FSDPModule, "set_keep_unsharded_storage"):  # from torch 2.15
+        absent.add("keep_unsharded_storage")
     return KNOWN_CAPABILITIES - absent
 
 

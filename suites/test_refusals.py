@@ -188,6 +188,19 @@ def probe_dp_mesh_dims(rank_ctx, impl, model: nn.Module) -> None:
     model(DTensor.from_local(inp, mesh, [Replicate()], run_check=False)).to_local().sum().backward()
 
 
+def probe_manual_backward_finalization(rank_ctx, impl, model: nn.Module) -> None:
+    impl.fully_shard(model)
+    model.set_manual_backward_finalization(True)
+    train_once(model, rank_ctx.device)
+    model.finalize_backward()
+
+
+def probe_keep_unsharded_storage(rank_ctx, impl, model: nn.Module) -> None:
+    impl.fully_shard(model)
+    model.set_keep_unsharded_storage(True)
+    train_once(model, rank_ctx.device)
+
+
 #: capability -> (how to use it, words one of which the error must contain, lower case)
 PROBES: dict[str, tuple[Probe, tuple[str, ...]]] = {
     "replicate": (probe_replicate, ("replicate",)),
@@ -212,6 +225,14 @@ PROBES: dict[str, tuple[Probe, tuple[str, ...]]] = {
     "ignored_params": (probe_ignored_params, ("ignored_params", "ignored")),
     "all_reduce_hook": (probe_all_reduce_hook, ("all_reduce_hook", "hook")),
     "dp_mesh_dims": (probe_dp_mesh_dims, ("dp_mesh_dims", "mesh dims", "spmd")),
+    "manual_backward_finalization": (
+        probe_manual_backward_finalization,
+        ("finalize_backward", "finalization", "manual"),
+    ),
+    "keep_unsharded_storage": (
+        probe_keep_unsharded_storage,
+        ("keep_unsharded_storage", "unsharded storage", "storage"),
+    ),
     "custom_comms": (probe_custom_comms, ("custom", "all_gather", "all-gather", "comm")),
     "separate_reduce_scatter_group": (
         probe_separate_reduce_scatter_group,

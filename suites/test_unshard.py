@@ -9,6 +9,8 @@
 * ``set_unshard_async_op(True)`` every step: same numerics, same schedule (slow).
 * ``set_unshard_in_backward(False)``: that group is never all-gathered in backward, not even
   as a prefetch target, and still gets the right gradients.
+* ``set_keep_unsharded_storage(True)``: reshard keeps the unsharded storage, and the next
+  unshard fills the same memory.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from torch import nn
 
 from harness.parity import assert_losses_equal, assert_sharded_parity, average_gradients
 from suites.cases import conformance
-from suites.models import ModelArgs, Transformer
+from suites.models import MLPStack, ModelArgs, Transformer
 from suites.schedule import ScheduleRecorder, ShardingPlan
 from suites.training import adam, train_with_parity
 
@@ -145,3 +147,45 @@ def test_unshard_in_backward_false_skips_the_gather(rank_ctx, impl):
         steps=3,
         make_optimizer=adam,
     )
+
+
+@conformance("fsdp.keep_unsharded_storage")
+def test_kept_unsharded_storage_survives_reshard(rank_ctx, impl):
+    """``set_keep_unsharded_storage(True)`` on the root: after ``unshard()`` and ``reshard()``
+    the unsharded parameters the module held keep their storage (not freed to 0 bytes), the
+    next ``unshard()`` registers parameters on the same data pointers, and a training step's
+    numbers are unchanged. Fails on ``tests.suites.broken:ignore_keep_unsharded_storage``
+    ("storage of 'in_proj.weight' freed by reshard")."""
+    torch.manual_seed(42)
+    with torch.device(rank_ctx.device):
+        model = MLPStack(8)
+    reference = copy.deepcopy(model)
+    for mlp in model:
+        impl.fully_shard(mlp)
+    impl.fully_shard(model)
+    model.set_keep_unsharded_storage(True)
+    mlp = model[0]
+    mlp.unshard()
+    held = dict(mlp.named_parameters())
+    pointers = {name: param.data_ptr() for name, param in held.items()}
+    mlp.reshard()
+    freed = [
+        f"storage of {name!r} freed by reshard"
+        for name, param in held.items()
+        if param.untyped_storage().nbytes() == 0
+    ]
+    assert not freed, "\n".join(freed)
+    mlp.unshard()
+    moved = [
+        f"{name!r} unsharded at {param.data_ptr():#x}, first at {pointers[name]:#x}"
+        for name, param in mlp.named_parameters()
+        if param.data_ptr() != pointers[name]
+    ]
+    assert not moved, "\n".join(moved)
+    mlp.reshard()
+    torch.manual_seed(42 + rank_ctx.rank + 1)
+    inp = torch.randn(4, 8, device=rank_ctx.device)
+    model(inp).sum().backward()
+    reference(inp).sum().backward()
+    average_gradients(reference)
+    assert_sharded_parity(reference, model)

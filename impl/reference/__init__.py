@@ -18,12 +18,13 @@ from impl.reference.fully_shard import fully_shard, register_fsdp_forward_method
 from impl.reference.mesh import DataParallelMeshDims
 from impl.reference.module import FSDPModule, ReplicateModule
 from impl.reference.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
-from impl.reference.state import FSDPState, state_of
+from impl.reference.state import FSDPState, GradientReductionHandle, state_of
 
 __all__ = [
     "CPUOffloadPolicy",
     "DataParallelMeshDims",
     "FSDPModule",
+    "GradientReductionHandle",
     "MixedPrecisionPolicy",
     "OffloadPolicy",
     "ReferenceImplementation",
@@ -58,6 +59,8 @@ class ReferenceImplementation(Implementation):
             "reduce_scatter_unused_params",
             "reduce_scatter_max_input_buffers",
             "dp_mesh_dims",
+            "manual_backward_finalization",
+            "keep_unsharded_storage",
             # Composition (suites/composition): DCP, TP (DTensor parameters get the
             # data-parallel dims in front) and every pipeline schedule pass (pp: the suite's
             # DataParallelStage drives data parallelism for it; the engine drives only torch's

@@ -98,6 +98,9 @@ class ParamGroup:
         self.requires_gradient_sync = True
         self.requires_all_reduce = True  # the replicate dim's all-reduce (HSDP, replicate)
         self.unshard_async_op = False
+        # set_keep_unsharded_storage: reshard unregisters the unsharded parameters but keeps
+        # their storage, so every unshard fills the same memory.
+        self.keep_unsharded_storage = False
         self.gradient_divide_factor: float | None = None
         # set_reduce_scatter_unused_params: a parameter without a gradient on this rank takes
         # part in the reduction with zeros, so ranks that used different parameters agree.
@@ -316,6 +319,8 @@ class ParamGroup:
             storage.resize_(nbytes)
 
     def _free_unsharded_storage(self) -> None:
+        if self.keep_unsharded_storage:
+            return
         self.unsharded_flat.untyped_storage().resize_(0)
 
     # --- parameters replaced behind the group's back -----------------------------------

@@ -16,7 +16,7 @@ from torch import nn
 
 from impl.reference import collectives
 from impl.reference.group import UnshardHandle
-from impl.reference.state import state_of
+from impl.reference.state import GradientReductionHandle, state_of
 
 if TYPE_CHECKING:
     from impl.reference.state import FSDPState
@@ -94,6 +94,38 @@ class FSDPModule:
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         # Reductions are waited for inline, so nothing is deferred to the last backward.
         self._fsdp_state().ctx.is_last_backward = is_last_backward
+
+    def set_manual_backward_finalization(self, enabled: bool) -> None:
+        """On the root, before backward: the caller ends each backward with
+        :meth:`finalize_backward` instead of the end of autograd's pass doing it."""
+        state = self._fsdp_state()
+        if state.is_root is False:
+            raise RuntimeError("set_manual_backward_finalization must be called on the root")
+        if state.ctx.in_backward:
+            raise RuntimeError("set_manual_backward_finalization cannot change mode in backward")
+        state.ctx.manual_backward_finalization = enabled
+
+    def finalize_backward(self, *, async_op: bool = False) -> GradientReductionHandle | None:
+        """Finish the backward(s) since the last finalization: reduce what is unreduced (with
+        gradient sync as it is now) and reshard. A no-op before the root's first forward."""
+        state = self._fsdp_state()
+        if state.is_root is not None:
+            if not state.is_root:
+                raise RuntimeError("finalize_backward must be called on the root")
+            if not state.ctx.manual_backward_finalization:
+                raise RuntimeError(
+                    "finalize_backward requires manual backward finalization: call "
+                    "set_manual_backward_finalization(True) on the root before forward"
+                )
+            state.ctx.finalize_backward()
+        return GradientReductionHandle() if async_op else None
+
+    def set_keep_unsharded_storage(self, keep: bool, *, recurse: bool = True) -> None:
+        """Keep the unsharded parameters' storage through reshards (the same data pointers
+        on every unshard, for CUDA graph capture), at the cost of holding that memory."""
+        for state in self._fsdp_states(recurse):
+            if state.group is not None:
+                state.group.keep_unsharded_storage = keep
 
     def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
         """``False`` for modules whose backward does not read their parameters (embeddings)."""

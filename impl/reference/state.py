@@ -64,6 +64,9 @@ class StateContext:
         self.iter_forward_root: FSDPState | None = None
         self.final_callback_queued = False
         self.is_last_backward = True
+        # set_manual_backward_finalization: the end of backward leaves the groups' flush
+        # (reduction of what is still unreduced, reshard) to finalize_backward.
+        self.manual_backward_finalization = False
         # States in the order their groups finished forward, with multiplicity (a module
         # called twice appears twice): backward walks it in reverse to prefetch implicitly.
         self.post_forward_order: list[FSDPState] = []
@@ -84,12 +87,27 @@ class StateContext:
         for state in reversed(self.all_states):
             state.modules_to_run_forward.clear()
             state.post_forward_indices.clear()
-            if state.group is not None:
+            if state.group is not None and not self.manual_backward_finalization:
                 state.group.post_backward()
             state.training = TrainingState.IDLE
         self.iter_forward_root = None
         self.final_callback_queued = False
         self.post_forward_order.clear()
+
+    def finalize_backward(self) -> None:
+        """What the end of backward leaves to the caller in manual mode: every group reduces
+        what it still holds (as gradient sync now says) and reshards (as it is set to)."""
+        for state in reversed(self.all_states):
+            if state.group is not None:
+                state.group.post_backward()
+
+
+class GradientReductionHandle:
+    """Returned by ``finalize_backward(async_op=True)``. The reference reduces synchronously,
+    so the gradients are final when it is returned and ``wait()`` has nothing to wait for."""
+
+    def wait(self) -> None:
+        return None
 
 
 class FSDPState:
@@ -138,6 +156,9 @@ class FSDPState:
             if state.tied_elsewhere:
                 raise ValueError(self._tied_across_groups_message(state))
         ctx = StateContext(states)
+        # Set on the root before its first forward, when it had a context of its own.
+        ctx.is_last_backward = self.ctx.is_last_backward
+        ctx.manual_backward_finalization = self.ctx.manual_backward_finalization
         for state in states:
             if state is not self:
                 state.is_root = False

@@ -23,6 +23,9 @@ numerics
 * ``dp_mesh_dims_on_the_wrong_dim``: ``dp_mesh_dims`` is passed on with its dims moved: shard
   and replicate swapped when both are named, otherwise the named dim replaced by another mesh
   dim;
+* ``finalize_backward_does_nothing``: ``finalize_backward`` returns at once (with a handle that
+  waits for nothing), finishing no pending reduction or reshard;
+* ``ignore_keep_unsharded_storage``: ``set_keep_unsharded_storage`` does nothing;
 * ``ignore_reduce_scatter_unused_params``: ``set_reduce_scatter_unused_params`` does nothing;
 * ``ignore_separate_reduce_scatter_group``: ``set_separate_reduce_scatter_group`` does nothing;
 * ``skip_post_divide``: the fp16/fp64 reduction leaves out its division after the SUM (the
@@ -292,6 +295,15 @@ def _unchecked_max_input_buffers(module: nn.Module) -> None:
     module.set_reduce_scatter_max_input_buffers = lambda cap, **kw: original(max(cap, 1), **kw)
 
 
+class _NothingToWaitFor:
+    def wait(self) -> None:
+        return None
+
+
+def _finalize_nothing(module: nn.Module) -> None:
+    module.finalize_backward = lambda *, async_op=False: _NothingToWaitFor() if async_op else None
+
+
 def _discard_custom_all_gather_output(module: nn.Module) -> None:
     original = module.set_custom_all_gather
     module.set_custom_all_gather = lambda comm: original(_OutputDiscarded(comm))
@@ -354,6 +366,8 @@ _MODULE: dict[str, Callable[[nn.Module], None]] = {
     "ignore_custom_reduce_scatter": lambda m: setattr(m, "set_custom_reduce_scatter", _noop),
     "custom_all_gather_output_discarded": _discard_custom_all_gather_output,
     "max_input_buffers_unchecked": _unchecked_max_input_buffers,
+    "finalize_backward_does_nothing": _finalize_nothing,
+    "ignore_keep_unsharded_storage": lambda m: setattr(m, "set_keep_unsharded_storage", _noop),
     "ignore_reduce_scatter_unused_params": lambda m: setattr(
         m, "set_reduce_scatter_unused_params", _noop
     ),
