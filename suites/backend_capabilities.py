@@ -40,6 +40,8 @@ OPERATIONS = {
     "scatter_object_list, send/recv_object_list",
     "coalesced": "the ProcessGroup's coalesced calls (allreduce_coalesced, "
     "allgather_into_tensor_coalesced, reduce_scatter_tensor_coalesced)",
+    "deprecated_coalesced": "the deprecated dist.all_reduce_coalesced and "
+    "dist.all_gather_coalesced (the group's allreduce_coalesced and allgather_coalesced)",
     "new_group": "sub-groups from new_group used concurrently with the default group",
     "split_group": "sub-groups from split_group",
     "device_mesh": "DeviceMesh sub-meshes",

@@ -171,6 +171,13 @@ class StagedGlooProcessGroup(PythonProcessGroup):
         build = lambda r, w: (regroup(w), r, *_given(opts))  # noqa: E731
         return self._run(self._gloo.allgather, inputs, flat, build)
 
+    def allgather_coalesced(
+        self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None
+    ) -> StagedWork:
+        flat, regroup = _flatten(output_lists)
+        build = lambda r, w: (regroup(w), r, *_given(opts))  # noqa: E731
+        return self._run(self._gloo.allgather_coalesced, inputs, flat, build)
+
     def all_gather_single(
         self, output: torch.Tensor, input: torch.Tensor, opts: Any = None
     ) -> StagedWork:

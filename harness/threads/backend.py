@@ -358,6 +358,34 @@ class ThreadedProcessGroup(PythonProcessGroup):
 
         return self._meet("allgather", (), (out_list, tensor), execute, inputs, out_list, outputs)
 
+    def allgather_coalesced(
+        self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None
+    ) -> ThreadedWork:
+        """``outputs[src][i]`` receives rank ``src``'s ``inputs[i]`` (the deprecated
+        ``dist.all_gather_coalesced``)."""
+        if len(outputs) != self._group_size:
+            raise ValueError(
+                f"allgather_coalesced: need {self._group_size} output lists, got {len(outputs)}"
+            )
+        signature = tuple((t.dtype, tuple(t.shape)) for t in inputs)
+
+        def execute(p: dict[int, tuple[list[list[torch.Tensor]], list[torch.Tensor]]]) -> None:
+            for dst in range(len(p)):
+                for src in range(len(p)):
+                    for target, source in zip(p[dst][0][src], p[src][1], strict=True):
+                        target.copy_(source)
+
+        written = [t for per_rank in outputs for t in per_rank]
+        return self._meet(
+            "allgather_coalesced",
+            (signature,),
+            (outputs, inputs),
+            execute,
+            inputs,
+            written,
+            written,
+        )
+
     def all_gather_single(
         self, output: torch.Tensor, input: torch.Tensor, opts: Any = None
     ) -> ThreadedWork:

@@ -8,6 +8,8 @@ by ``is_completed()`` or by the data read after ``wait()``.
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -88,4 +90,34 @@ def test_coalesced_calls(dtype: str, rank_ctx) -> None:
     group.reduce_scatter_tensor_coalesced(outputs, [b[rank].clone() for b in wide], options).wait()
     for i, output in enumerate(outputs):
         findings.expect_equal(output, expected[i], f"reduce_scatter_tensor_coalesced #{i}")
+
+    findings.raise_if_any()
+
+
+@conformance("backend.deprecated_coalesced")
+@pytest.mark.parametrize("dtype", dtype_grid(("float32", "int64")))
+def test_deprecated_coalesced_spellings(dtype: str, rank_ctx) -> None:
+    """``dist.all_reduce_coalesced`` and ``dist.all_gather_coalesced``, deprecated but public,
+    forward to the group's ``allreduce_coalesced`` and ``allgather_coalesced``: each tensor of
+    the batch gets its own right result."""
+    findings = Findings(f"deprecated coalesced {dtype}")
+    world, rank, device = rank_ctx.world_size, rank_ctx.rank, rank_ctx.device
+    group = rank_ctx.group
+    batches = [
+        everyones(n, dtype, op="sum", salt=i, device=device) for i, n in enumerate((1, 37, 8))
+    ]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # their deprecation notices
+        tensors = [batch[rank].clone() for batch in batches]
+        dist.all_reduce_coalesced(tensors, group=group)
+        # One list per rank, of that rank's part of every tensor of the batch.
+        gathered = [[unlike(batch[r]) for batch in batches] for r in range(world)]
+        dist.all_gather_coalesced(gathered, [batch[rank].clone() for batch in batches], group)
+    for i, tensor in enumerate(tensors):
+        findings.expect_equal(tensor, reduce(batches[i], "sum"), f"dist.all_reduce_coalesced #{i}")
+    for r, outputs_of_rank in enumerate(gathered):
+        for i, output in enumerate(outputs_of_rank):
+            findings.expect_equal(
+                output, batches[i][r], f"dist.all_gather_coalesced #{i}, rank {r}'s part"
+            )
     findings.raise_if_any()

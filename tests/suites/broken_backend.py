@@ -182,6 +182,10 @@ class WrappedGloo(dist.ProcessGroup):
 
     _allgather_base = all_gather_single
 
+    def allgather_coalesced(self, outputs: Any, inputs: Any, opts: Any = None) -> dist.Work:
+        self._settle()
+        return self._inner.allgather_coalesced(outputs, inputs, opts or AllgatherOptions())
+
     def allgather_into_tensor_coalesced(self, outputs: Any, inputs: Any, opts: Any = None):
         works = [self.all_gather_single(o, i, opts) for o, i in zip(outputs, inputs, strict=True)]
         return _waited(works, outputs)

@@ -94,6 +94,11 @@ ROWS = [
         "test_async.py::test_coalesced_calls[ws2-dtype=float32]",
         "allreduce_coalesced #1",
     ),
+    row(
+        "coalesced_first_only",
+        "test_async.py::test_deprecated_coalesced_spellings[ws2-dtype=int64]",
+        "dist.all_reduce_coalesced #1",
+    ),
     # gloo gathers a transposed input right: only a storage-order read gets it wrong.
     row(
         "storage_order_gather",
