@@ -149,3 +149,24 @@ def test_device_mesh_sub_meshes(rank_ctx) -> None:
             findings, mesh.get_group(name), members, rank_ctx, f"mesh dim {name}"
         )
     findings.raise_if_any()
+
+
+@conformance("backend.new_subgroups")
+def test_new_subgroups_beside_the_default_group(rank_ctx) -> None:
+    """``new_subgroups(group_size=2)`` (consecutive pairs) and ``new_subgroups_by_enumeration``
+    (even and odd ranks): each rank gets the sub-group it belongs to, and an all_reduce on it,
+    in flight beside one on the default group, sums over exactly its members."""
+    world, rank = rank_ctx.world_size, rank_ctx.rank
+    findings = Findings("new_subgroups")
+    by_size, _ = dist.new_subgroups(group_size=2)
+    pair = [rank - rank % 2, rank - rank % 2 + 1]
+    _check_subgroups_beside_the_default_group(
+        findings, by_size, pair, rank_ctx, "new_subgroups(group_size=2)"
+    )
+    halves = _halves(world)
+    by_enumeration, _ = dist.new_subgroups_by_enumeration(ranks_per_subgroup_list=halves)
+    members = next(m for m in halves if rank in m)
+    _check_subgroups_beside_the_default_group(
+        findings, by_enumeration, members, rank_ctx, "new_subgroups_by_enumeration"
+    )
+    findings.raise_if_any()
