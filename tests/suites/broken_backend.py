@@ -32,6 +32,7 @@ BREAKAGES = {
     "late_timeout": "a collective times out after 4.5 times the group's timeout",
     "coalesced_first_only": "allreduce_coalesced reduces only the first tensor",
     "storage_order_gather": "all_gather_single reads a non-contiguous input in storage order",
+    "local_subgroups": "an all_reduce on a sub-group never leaves the rank",
     "offset_blind_reduce_scatter": "reduce_scatter_single reads its input from the start of "
     "its storage, ignoring the storage offset",
 }
@@ -112,6 +113,8 @@ class WrappedGloo(dist.ProcessGroup):
         # No settling here: gloo queues a group's works in order, and waiting would block
         # the caller on peers that have not joined yet.
         opts = opts or dist.AllreduceOptions()
+        if self._breakage == "local_subgroups" and self.size() < dist.get_world_size():
+            return _CompletedWork(tensors)
         if self._breakage == "wrong_op" and opts.reduceOp.op == dist.ReduceOp.RedOpType.MAX:
             opts = dist.AllreduceOptions()
             opts.reduceOp = dist.ReduceOp.MIN

@@ -95,6 +95,11 @@ ROWS = [
         "allreduce_coalesced #1",
     ),
     row(
+        "local_subgroups",
+        "test_groups.py::test_new_subgroups_beside_the_default_group[ws4]",
+        "new_subgroups(group_size=2): sum over",
+    ),
+    row(
         "coalesced_first_only",
         "test_async.py::test_deprecated_coalesced_spellings[ws2-dtype=int64]",
         "dist.all_reduce_coalesced #1",
