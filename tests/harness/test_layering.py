@@ -23,7 +23,7 @@ def _modules() -> dict[str, Path]:
     for package in PACKAGES:
         for path in (ROOT / package).rglob("*.py"):
             parts = path.relative_to(ROOT).with_suffix("").parts
-            if path.name.startswith("test_") or "expectations" in parts[:-1]:
+            if path.name.startswith("test_"):
                 continue
             name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
             found[name] = path
