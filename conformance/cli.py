@@ -46,7 +46,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="fsdp: the sharding implementation (--impl) (default); backend: the "
         "communication backend (--backend)",
     )
-    parser.add_argument("--impl", help="reference, torch or package.module[:factory]")
+    parser.add_argument(
+        "--impl",
+        help="reference, torch, an installed vendor's registered name, or package.module[:factory]",
+    )
     parser.add_argument("--backend", help="process-group backend (default: the device's)")
     parser.add_argument("--device", help="device type (default: cpu)")
     parser.add_argument("--launcher", help="process (default), thread or external")

@@ -73,8 +73,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "--impl",
         default=None,
         metavar="SPEC",
-        help=f"implementation under test: reference, torch or package.module[:factory] "
-        f"(default: ${ENV_VAR} or reference)",
+        help=f"implementation under test: reference, torch, an installed vendor's registered "
+        f"name, or package.module[:factory] (default: ${ENV_VAR} or reference)",
     )
     group.addoption(
         "--conformance-out",

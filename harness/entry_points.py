@@ -1,8 +1,9 @@
 """distconform's entry points, installed or read from a plain copy of the tree.
 
-``pip install`` registers two groups from ``pyproject.toml``: the ``pytest11`` plugins
-(``harness.plugin``, ``conformance.plugin``) and the ``python -m harness`` subcommands
-(``distconform.commands``). A machine that cannot install anything (the GPU machine: its own
+``pip install`` registers three groups from ``pyproject.toml``: the ``pytest11`` plugins
+(``harness.plugin``, ``conformance.plugin``), the ``python -m harness`` subcommands
+(``distconform.commands``) and the implementations ``--impl`` names
+(``distconform.implementations``). A machine that cannot install anything (the GPU machine: its own
 Python and torch, nothing fetched) runs distconform from a copy of the tree with only
 ``PYTHONPATH`` set, where no entry point is registered. There the groups are read from the
 ``pyproject.toml`` next to this package, and callers that start pytest name the plugins
@@ -17,6 +18,8 @@ from importlib.metadata import EntryPoint, entry_points
 from pathlib import Path
 
 COMMANDS_GROUP = "distconform.commands"
+#: Implementations ``--impl NAME`` finds: distconform's own and installed vendors'.
+IMPLEMENTATIONS_GROUP = "distconform.implementations"
 #: The console script ``pip install`` puts on the PATH (pyproject.toml ``[project.scripts]``).
 SCRIPT = "distconform"
 PYTEST_GROUP = "pytest11"
@@ -53,6 +56,12 @@ def program() -> str:
 def commands() -> dict[str, EntryPoint]:
     """``python -m harness`` subcommands: the installed ones, else the tree's."""
     return _installed(COMMANDS_GROUP) or _from_tree(COMMANDS_GROUP)
+
+
+def implementations() -> dict[str, EntryPoint]:
+    """``--impl`` names: the tree's own (so a plain copy has them too), then every installed
+    package's, which win on a clash."""
+    return {**_from_tree(IMPLEMENTATIONS_GROUP), **_installed(IMPLEMENTATIONS_GROUP)}
 
 
 def pytest_plugin_args() -> list[str]:

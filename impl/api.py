@@ -6,9 +6,11 @@ It offers the FSDP2-style entry points (``fully_shard``, ``replicate``,
 module also has FSDP2's methods: ``unshard``, ``reshard``, ``set_requires_gradient_sync``, ...),
 a declared capability set, and introspection hooks so that suites never read torch internals.
 
-``load_implementation(spec)`` picks one: ``"reference"``, ``"torch"`` or
-``"package.module[:factory]"`` for third parties (the factory, default ``implementation``, is
-called with no arguments and returns an ``Implementation``). An implementation pickles as its
+``load_implementation(spec)`` picks one: a name registered in the ``distconform.implementations``
+entry-point group (``reference`` and ``torch`` are distconform's own; an installed vendor
+package adds its name the same way), or ``"package.module[:factory]"``. Either way a factory
+(default name ``implementation``) is called with no arguments and returns an
+``Implementation``. This module imports no implementation. An implementation pickles as its
 spec, so a pytest parent can ship it to rank processes, which rebuild it by name.
 
 This module knows nothing about pytest.
@@ -21,6 +23,8 @@ import os
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
+
+from harness import entry_points
 
 if TYPE_CHECKING:  # the pytest process loads this with the conformance plugin, before torch
     from torch import nn
@@ -199,21 +203,22 @@ def load_implementation(spec: str | None = None) -> Implementation:
 
 
 def _build(spec: str) -> Any:
-    if spec == "reference":
-        from impl.reference import ReferenceImplementation
-
-        return ReferenceImplementation()
-    if spec == "torch":
-        from impl.torch_adapter import TorchImplementation
-
-        return TorchImplementation()
+    registered = entry_points.implementations()
+    if spec in registered:
+        return _call(registered[spec].load(), spec)
     module_name, _, factory_name = spec.partition(":")
+    expected = (
+        f"expected a registered name ({', '.join(sorted(registered)) or 'none'}: the entry "
+        f"points of {entry_points.IMPLEMENTATIONS_GROUP!r}) or 'package.module[:factory]'"
+    )
     if not module_name or any(not part.isidentifier() for part in module_name.split(".")):
-        raise ValueError(
-            f"bad implementation spec {spec!r}: expected 'reference', 'torch' or "
-            f"'package.module[:factory]'"
-        )
-    module = importlib.import_module(module_name)
+        raise ValueError(f"bad implementation spec {spec!r}: {expected}")
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as error:
+        if error.name != module_name.partition(".")[0]:
+            raise  # the module exists and one of its own imports failed
+        raise ValueError(f"unknown implementation {spec!r}: {expected}") from error
     factory_name = factory_name or "implementation"
     try:
         factory = getattr(module, factory_name)
@@ -221,10 +226,13 @@ def _build(spec: str) -> Any:
         raise ValueError(
             f"implementation module {module_name!r} has no factory {factory_name!r}"
         ) from None
+    return _call(factory, f"{module_name}:{factory_name}")
+
+
+def _call(factory: Any, where: str) -> Any:
     if not callable(factory):
         raise TypeError(
-            f"{module_name}:{factory_name} is a {type(factory).__name__}, not a factory: the "
-            f"name after ':' must be a function (or class) that returns an "
-            f"impl.api.Implementation"
+            f"{where} is a {type(factory).__name__}, not a factory: it must be a function "
+            f"(or class) that returns an impl.api.Implementation"
         )
     return factory()

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import pickle
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 from torch import nn
@@ -14,6 +18,8 @@ from impl.api import (
     default_spec,
     load_implementation,
 )
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize("spec", ["reference", "torch", "impl.reference:ReferenceImplementation"])
@@ -50,6 +56,7 @@ def test_default_spec_follows_the_environment(monkeypatch):
     ("spec", "error", "message"),
     [
         ("no such thing", ValueError, "bad implementation spec"),
+        ("acme_unregistered", ValueError, r"unknown implementation .*\(reference, torch"),
         ("impl.reference:not_a_factory", ValueError, "has no factory"),
         ("impl.sharding_that_does_not_exist", ImportError, "sharding_that_does_not_exist"),
         ("impl.reference.policies:OffloadPolicy", TypeError, "not an impl.api.Implementation"),
@@ -76,11 +83,48 @@ def test_an_implementation_not_loaded_by_name_refuses_to_pickle():
 
 
 def test_impl_does_not_import_pytest():
-    import subprocess
-    import sys
-
     code = (
         "import sys, impl.api, impl.reference, impl.torch_adapter; "
         "sys.exit('pytest' in sys.modules)"
     )
     assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
+
+
+ACME_MODULE = """
+from impl.reference import ReferenceImplementation
+
+
+class Acme(ReferenceImplementation):
+    name = "acme"
+"""
+
+
+def test_an_installed_vendor_package_is_found_by_its_registered_name(tmp_path):
+    """A package whose distribution registers ``acme`` in ``distconform.implementations`` is
+    loaded by ``--impl acme``, with no module path: here a bare dist-info on ``sys.path``, as
+    ``pip install`` leaves one, and one suite item run against it."""
+    site = tmp_path / "site"
+    (site / "acme_fsdp-0.1.dist-info").mkdir(parents=True)
+    (site / "acme_fsdp.py").write_text(ACME_MODULE)
+    (site / "acme_fsdp-0.1.dist-info" / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: acme-fsdp\nVersion: 0.1\n"
+    )
+    (site / "acme_fsdp-0.1.dist-info" / "entry_points.txt").write_text(
+        "[distconform.implementations]\nacme = acme_fsdp:Acme\n"
+    )
+    command = [sys.executable, "-m", "pytest", "suites/test_world_size_1.py", "--impl", "acme"]
+    command += ["-q", "-p", "no:cacheprovider", "-k", "ws1"]
+
+    def run(*paths: Path) -> subprocess.CompletedProcess:
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(str(p) for p in paths)}
+        return subprocess.run(
+            command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, check=False
+        )
+
+    installed = run(site, ROOT)
+    assert installed.returncode == 0, installed.stdout[-3000:] + installed.stderr[-3000:]
+    assert " passed" in installed.stdout, installed.stdout[-3000:]
+    # The control: without the distribution, the name means nothing.
+    missing = run(ROOT)
+    assert missing.returncode != 0
+    assert "unknown implementation 'acme'" in missing.stdout + missing.stderr
