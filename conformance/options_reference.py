@@ -21,6 +21,7 @@ from typing import Any
 from conformance import cli as conformance_cli
 from conformance import plugin as conformance_plugin
 from harness import plugin as harness_plugin
+from harness.adopt import options as adopt_options
 from harness.gpu_check import cli as gpu_check_cli
 from suites.backend.bandwidth import cli as bandwidth_cli
 
@@ -121,6 +122,7 @@ def render() -> str:
         "",
     ]
     lines += _pytest_section("pytest", harness_plugin.pytest_addoption)
+    lines += _pytest_section("pytest", adopt_options.pytest_addoption)
     lines += _pytest_section("pytest", conformance_plugin.pytest_addoption)
     commands: Iterable[tuple[str, argparse.ArgumentParser]] = (
         ("conformance", conformance_cli.build_parser()),

@@ -1,12 +1,12 @@
 """distconform's entry points, installed or read from a plain copy of the tree.
 
 ``pip install`` registers three groups from ``pyproject.toml``: the ``pytest11`` plugins
-(``harness.plugin``, ``conformance.plugin``), the ``python -m harness`` subcommands
-(``distconform.commands``) and the implementations ``--impl`` names
-(``distconform.implementations``). A machine that cannot install anything (the GPU machine: its own
-Python and torch, nothing fetched) runs distconform from a copy of the tree with only
-``PYTHONPATH`` set, where no entry point is registered. There the groups are read from the
-``pyproject.toml`` next to this package, and callers that start pytest name the plugins
+(``harness.plugin``, ``conformance.plugin``, ``harness.adopt.options``), the ``python -m
+harness`` subcommands (``distconform.commands``) and the implementations ``--impl`` names
+(``distconform.implementations``). A machine that cannot install anything (the GPU machine:
+its own Python and torch, nothing fetched) runs distconform from a copy of the tree with
+only ``PYTHONPATH`` set, where no entry point is registered. There the groups are read from
+the ``pyproject.toml`` next to this package, and callers that start pytest name the plugins
 with ``-p``, so both ways run the same code.
 """
 
@@ -24,7 +24,7 @@ IMPLEMENTATIONS_GROUP = "distconform.implementations"
 SCRIPT = "distconform"
 PYTEST_GROUP = "pytest11"
 #: The ``pytest11`` names distconform registers (pyproject.toml).
-PLUGIN_NAMES = ("distconform", "distconform-conformance")
+PLUGIN_NAMES = ("distconform", "distconform-conformance", "distconform-adopt")
 
 _TREE_PYPROJECT = Path(__file__).resolve().parent.parent / "pyproject.toml"
 

@@ -164,29 +164,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="import MODULE in pytest and in every rank before the process group starts "
         "(a vendor's Backend.register_backend); repeatable",
     )
-    group.addoption(
-        "--dist-adopt",
-        action="store_true",
-        default=None,
-        help="run unittest classes written for torch's distributed test harness "
-        "(MultiProcessTestCase, MultiThreadedTestCase, FSDPTest, DTensorTestBase...) on warm "
-        "rank pools, one item per test method at the class's world_size (default: ini "
-        "dist_adopt, off)",
-    )
-    group.addoption(
-        "--dist-adopt-fsdp-on-cpu",
-        action="store_true",
-        default=False,
-        help="with --dist-adopt: run FSDPTest methods on CPU ranks, which FSDPTest's own "
-        "harness skips when there are fewer accelerators than ranks",
-    )
     parser.addini("dist_deadline", "default per-test deadline in seconds", default="")
-    parser.addini(
-        "dist_adopt",
-        "run torch's distributed unittest classes on warm rank pools (see --dist-adopt)",
-        type="bool",
-        default=False,
-    )
     parser.addini("dist_launcher", "default launcher", default="process")
     parser.addini(
         "dist_share_devices",
@@ -246,11 +224,6 @@ def pytest_configure(config: pytest.Config) -> None:
     except ConfigError as exc:
         raise pytest.UsageError(f"distconform: {exc}") from None
     summary.configure(config)
-    adopt = config.getoption("dist_adopt")
-    if adopt or (adopt is None and config.getini("dist_adopt")):
-        from harness.adopt import plugin as adopt_plugin  # torch's test package, only if asked
-
-        config.pluginmanager.register(adopt_plugin, adopt_plugin.PLUGIN_NAME)
 
 
 def _settings_from(config: pytest.Config) -> DistSettings:

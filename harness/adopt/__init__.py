@@ -4,5 +4,5 @@ Reading order: :mod:`._torch_test_harness` (the one audited module that knows to
 private test-harness protocol), :mod:`.rank` (what each rank runs for one test method, and
 how the class's own ``init_process_group`` / ``destroy_process_group`` are served from the
 pool's group), :mod:`.plugin` (the pytest side: collection, items, the pool each runs on).
-Imports run that way; the plugin is registered by :mod:`harness.plugin` only when asked.
+Imports run that way; the plugin is registered by :mod:`harness.adopt.options` only when asked.
 """

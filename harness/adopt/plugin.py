@@ -1,6 +1,6 @@
 """pytest side of ``--dist-adopt``: torch's distributed unittest classes as warm-pool items.
 
-Registered by :mod:`harness.plugin` when ``--dist-adopt`` (or ini ``dist_adopt``) is set. A
+Registered by :mod:`harness.adopt.options` when ``--dist-adopt`` (or ini ``dist_adopt``) is set. A
 ``unittest.TestCase`` class of the ``MultiProcessTestCase`` or ``MultiThreadedTestCase``
 family (:func:`~harness.adopt._torch_test_harness.family_of`) is collected by this plugin
 instead of pytest's unittest plugin: one :class:`AdoptedMethod` item per test method, with
@@ -42,7 +42,7 @@ from harness.outcomes import RunResult
 from harness.pytest_run import RUN_KEY, PoolChoice, run_on_ranks
 from harness.session import ITEM_WORLD_SIZE_KEY, settings_of
 
-PLUGIN_NAME = "distconform-adopt"
+PLUGIN_NAME = "distconform-adopt-collection"
 OPTION = "--dist-adopt"
 #: Classes that broke the warm-pool contract in this session, and why.
 _BROKE_CONTRACT_KEY = pytest.StashKey[dict[type, str]]()

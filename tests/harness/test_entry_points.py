@@ -19,7 +19,11 @@ def test_installed_plugins_are_not_named_again():
 
 def test_a_plain_tree_names_its_plugins_and_reads_its_commands(monkeypatch):
     monkeypatch.setattr(entry_points, "_installed", lambda group: {})
-    assert entry_points.pytest_plugin_args() == ["-p", "harness.plugin", "-p", "conformance.plugin"]
+    assert entry_points.pytest_plugin_args() == [
+        *("-p", "harness.plugin"),
+        *("-p", "conformance.plugin"),
+        *("-p", "harness.adopt.options"),
+    ]
     commands = entry_points.commands()
     assert {"conformance", "bench-collectives", "gpu-check"} <= set(commands)
     assert commands["gpu-check"].value == "harness.gpu_check.cli:main"

@@ -1,0 +1,45 @@
+"""The ``--dist-adopt`` pytest plugin (entry point ``distconform-adopt``): its options, and
+the adoption plugin registered when they ask for it.
+
+This module imports nothing of torch's test package: :mod:`harness.adopt.plugin`, which
+does, is registered only in a session that sets ``--dist-adopt`` or ini ``dist_adopt``.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("distconform-adopt", "torch's own distributed tests (distconform)")
+    group.addoption(
+        "--dist-adopt",
+        action="store_true",
+        default=None,
+        help="run unittest classes written for torch's distributed test harness "
+        "(MultiProcessTestCase, MultiThreadedTestCase, FSDPTest, DTensorTestBase...) on warm "
+        "rank pools, one item per test method at the class's world_size (default: ini "
+        "dist_adopt, off)",
+    )
+    group.addoption(
+        "--dist-adopt-fsdp-on-cpu",
+        action="store_true",
+        default=False,
+        help="with --dist-adopt: run FSDPTest methods on CPU ranks, which FSDPTest's own "
+        "harness skips when there are fewer accelerators than ranks",
+    )
+    parser.addini(
+        "dist_adopt",
+        "run torch's distributed unittest classes on warm rank pools (see --dist-adopt)",
+        type="bool",
+        default=False,
+    )
+
+
+@pytest.hookimpl(trylast=True)  # after harness.plugin has stored the session's settings
+def pytest_configure(config: pytest.Config) -> None:
+    adopt = config.getoption("dist_adopt")
+    if adopt or (adopt is None and config.getini("dist_adopt")):
+        from harness.adopt import plugin as adopt_plugin  # torch's test package, only if asked
+
+        config.pluginmanager.register(adopt_plugin, adopt_plugin.PLUGIN_NAME)
