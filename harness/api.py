@@ -11,13 +11,13 @@ from harness.config import (
     DEFAULT_PEER_GRACE_S,
     ConfigError,
     check_device_type,
-    check_launcher,
     check_world_size,
     default_threads_per_rank,
     device_count,
-    resolve_backend,
     sharing_refusal,
 )
+from harness.launcher_registry import DEFAULT as DEFAULT_LAUNCHER
+from harness.launcher_registry import launcher_named
 from harness.launchers import build_task, pool_key, pool_manager
 from harness.outcomes import Outcome, RunResult
 from harness.report import DistributedFailure
@@ -29,7 +29,7 @@ def launch(
     args: tuple = (),
     kwargs: dict[str, Any] | None = None,
     *,
-    launcher: str = "process",
+    launcher: str = DEFAULT_LAUNCHER,
     backend: str | None = None,
     device: str = "cpu",
     deadline: float = DEFAULT_DEADLINE_S,
@@ -51,15 +51,15 @@ def launch(
     fewer devices than ranks, where the backend can share one (``--dist-share-devices``).
     """
     world_size = check_world_size(world_size)
-    launcher = check_launcher(launcher)
-    if launcher == "external":
+    chosen = launcher_named(launcher)
+    if not chosen.starts_ranks:
         raise ConfigError(
-            "launch() starts its own ranks; with torchrun, run pytest in every rank with "
-            "--launcher external instead"
+            f"launch() starts its own ranks, and the {launcher!r} launcher starts none; with "
+            f"torchrun, run pytest in every rank with --launcher {launcher} instead"
         )
     backend_plugins.activate((), backend, device)  # a bundled device or backend registers itself
     device_type = check_device_type(device)
-    backend = resolve_backend(launcher, backend, device_type)
+    backend = chosen.backend_for(backend, device_type)
     available = device_count(device_type)
     if share_devices and available:
         refusal = sharing_refusal(backend, device_type, world_size, available)

@@ -12,7 +12,6 @@ from dataclasses import dataclass
 from harness.leasing import fake_device_count
 from harness.memory import parse_size
 
-LAUNCHERS = ("process", "thread", "external")
 THREADED_BACKEND = "threaded"
 DEFAULT_DEADLINE_S = 300.0
 DEFAULT_PEER_GRACE_S = 2.0
@@ -40,12 +39,6 @@ def check_world_size(world_size: object) -> int:
     return world_size
 
 
-def check_launcher(launcher: str) -> str:
-    if launcher not in LAUNCHERS:
-        raise ConfigError(f"unknown launcher {launcher!r}: choose one of {', '.join(LAUNCHERS)}")
-    return launcher
-
-
 def check_device_type(device_type: str) -> str:
     # torch only when a device is named: the fork server's clients and the device leases
     # read this module's constants without paying for torch.
@@ -63,21 +56,11 @@ def check_device_type(device_type: str) -> str:
     return parsed.type
 
 
-def resolve_backend(launcher: str, backend: str | None, device_type: str) -> str:
-    """The backend a run uses: the device's default unless one is named."""
+def device_backend(backend: str | None, device_type: str) -> str:
+    """The backend a run on ranks of their own uses: the device's default unless one is
+    named (the ``threaded`` backend needs rank threads: ``harness.threads.launcher``)."""
     import torch.distributed as dist  # as in check_device_type
 
-    if launcher == "thread":
-        if backend not in (None, "auto", THREADED_BACKEND):
-            raise ConfigError(
-                f"--launcher thread runs every rank in one process and always uses the "
-                f"{THREADED_BACKEND!r} backend; drop --backend {backend} or use --launcher process"
-            )
-        if device_type != "cpu":
-            raise ConfigError(
-                f"--launcher thread runs on the CPU only; use --launcher process for {device_type}"
-            )
-        return THREADED_BACKEND
     if backend == THREADED_BACKEND:
         raise ConfigError(
             f"the {THREADED_BACKEND!r} backend only works with rank threads: use --launcher thread"

@@ -29,6 +29,11 @@ PLUGIN_NAMES = ("distconform", "distconform-conformance", "distconform-adopt")
 _TREE_PYPROJECT = Path(__file__).resolve().parent.parent / "pyproject.toml"
 
 
+def installed(group: str) -> dict[str, EntryPoint]:
+    """The entry points of ``group`` that installed distributions registered."""
+    return _installed(group)
+
+
 def _installed(group: str) -> dict[str, EntryPoint]:
     return {entry.name: entry for entry in entry_points(group=group)}
 

@@ -13,14 +13,11 @@ from collections.abc import Callable
 from typing import Any
 
 from harness._pytest_private import AssertionSettings
-from harness.config import ConfigError, binds_device_id, device_count
 from harness.deadline import pg_timeout_for
-from harness.leasing import LeasedPool
+from harness.launcher_registry import Echo, launcher_named
 from harness.pools import PoolKey, PoolManager, RankPool, env_fingerprint
 from harness.rewritten_imports import rewritten_modules
 from harness.task import RankTask, pack_call
-
-Echo = Callable[[str], None] | None
 
 
 def pool_key(
@@ -80,43 +77,7 @@ def build_task(
 
 def make_pool(key: PoolKey, *, echo: Echo = None) -> RankPool:
     """A new, not yet started pool for ``key``; ``echo`` streams rank output live (``-s``)."""
-    if key.launcher == "process":
-        # The pools import harness.comm and with it DTensor: a session that never starts
-        # ranks (all its tests local, or under torchrun) does not pay for them.
-        from harness.process.pool import ProcessPool, ProcessPoolSpec
-
-        total = device_count(key.device_type)
-        # With shared devices the ranks take the devices there are, round-robin.
-        devices = min(key.world_size, total) if key.share_devices and total else key.world_size
-
-        def process_pool(extra_env: dict[str, str]) -> RankPool:
-            spec = ProcessPoolSpec(
-                world_size=key.world_size,
-                backend=key.backend,
-                device_type=key.device_type,
-                threads_per_rank=key.threads_per_rank,
-                rendezvous=key.rendezvous,
-                devices=devices,
-                bind_device=binds_device_id(key.backend),
-                env=(*key.env, *extra_env.items()),
-                echo=echo,
-            )
-            return ProcessPool(spec)
-
-        if total is None or key.share_devices:
-            # CPU ranks, or ranks that share devices anyway: nothing to lease.
-            return process_pool({})
-        # Accelerator ranks: lease devices so parallel pytest workers never share one.
-        return LeasedPool(key.device_type, devices, total, process_pool)
-    if key.launcher == "thread":
-        # As above: the thread host's side imports the process pool.
-        from harness.threads.host import ThreadHostPool
-
-        return ThreadHostPool(key.world_size, echo=echo)
-    raise ConfigError(
-        f"the {key.launcher!r} launcher does not start ranks: under torchrun, the ranks "
-        f"already exist and each runs pytest with --launcher external"
-    )
+    return launcher_named(key.launcher).make_pool(key, echo)
 
 
 def pool_manager(echo: Echo = None) -> PoolManager:

@@ -15,19 +15,18 @@ import pytest
 
 from harness import backend_plugins, hookspecs, pytest_run, summary
 from harness.config import (
-    LAUNCHERS,
     ConfigError,
     DistSettings,
     check_device_type,
-    check_launcher,
     device_placement_line,
     parse_memory_limit,
     parse_world_sizes,
-    resolve_backend,
 )
 from harness.deadline import configured_deadline
 from harness.external_rank import ExternalRank
 from harness.external_report import divert_unless_rank_0
+from harness.launcher_registry import DEFAULT as DEFAULT_LAUNCHER
+from harness.launcher_registry import launcher_named, names
 from harness.markers import check_markers, slow_world_sizes_of, world_sizes_of
 from harness.rank.context import RankContextPlaceholder
 from harness.session import (
@@ -76,7 +75,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption(
         "--launcher",
         default=None,
-        help=f"how ranks are started: {', '.join(LAUNCHERS)} (default: process)",
+        help=f"how ranks are started: {', '.join(names())} (default: {DEFAULT_LAUNCHER})",
     )
     group.addoption(
         "--backend",
@@ -165,7 +164,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "(a vendor's Backend.register_backend); repeatable",
     )
     parser.addini("dist_deadline", "default per-test deadline in seconds", default="")
-    parser.addini("dist_launcher", "default launcher", default="process")
+    parser.addini("dist_launcher", "default launcher", default=DEFAULT_LAUNCHER)
     parser.addini(
         "dist_share_devices",
         "place ranks round-robin on fewer devices than ranks (see --dist-share-devices)",
@@ -189,8 +188,13 @@ def pytest_addhooks(pluginmanager: pytest.PytestPluginManager) -> None:
 def pytest_cmdline_main(config: pytest.Config) -> None:
     """Under torchrun or srun, before pytest builds its terminal: only rank 0 prints the
     report, every other rank's goes to a file (:mod:`harness.external_report`)."""
-    if requested_launcher(config) != "external" or hasattr(config, "workerinput"):
+    if hasattr(config, "workerinput"):
         return
+    try:
+        if launcher_named(requested_launcher(config)).starts_ranks:
+            return
+    except ConfigError:
+        return  # an unknown launcher is reported, as a usage error, at configure
     try:
         me = ExternalRank.from_environment()
     except ConfigError:
@@ -227,9 +231,9 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def _settings_from(config: pytest.Config) -> DistSettings:
-    launcher = check_launcher(requested_launcher(config))
+    launcher = launcher_named(requested_launcher(config))
     device_type = check_device_type(config.getoption("device") or "cpu")
-    backend = resolve_backend(launcher, config.getoption("backend"), device_type)
+    backend = launcher.backend_for(config.getoption("backend"), device_type)
     threads = config.getoption("dist_threads")
     if threads is not None and threads < 1:
         raise ConfigError(f"--dist-threads must be at least 1, got {threads}")
@@ -237,7 +241,7 @@ def _settings_from(config: pytest.Config) -> DistSettings:
     if grace < 0:
         raise ConfigError(f"--dist-peer-grace must not be negative, got {grace}")
     return DistSettings(
-        launcher=launcher,
+        launcher=launcher.name,
         backend=backend,
         device_type=device_type,
         seed=config.getoption("dist_seed"),
@@ -271,7 +275,7 @@ def pytest_report_header(config: pytest.Config) -> str | None:
     if world is not None:
         header += f", rank {world.rank} of a {world.me.starter} world of {world.world_size}"
     lines = [header]
-    if settings.device_type != "cpu" and settings.launcher != "external":
+    if settings.device_type != "cpu" and launcher_named(settings.launcher).starts_ranks:
         lines.append(f"distconform: {device_placement_line(settings)}")
     return lines
 

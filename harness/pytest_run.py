@@ -23,6 +23,7 @@ from harness._pytest_private import skip_at_the_items_location
 from harness.config import ConfigError, DistSettings, device_count, sharing_refusal
 from harness.deadline import deadline_for, outer_limit_for
 from harness.gc_freeze import freeze_heap
+from harness.launcher_registry import launcher_named
 from harness.launchers import build_task, pool_key, pool_manager
 from harness.markers import memory_limit_of, required_devices_of
 from harness.outcomes import Outcome, RunResult
@@ -64,13 +65,8 @@ def configure(config: pytest.Config, settings: DistSettings) -> None:
     config.pluginmanager.register(sys.modules[__name__], "distconform-run")
     streaming = config.getoption("capture") == "no"
     config.stash[POOLS_KEY] = pool_manager(_echo if streaming else None)
-    if settings.launcher == "external":
-        # Only a torchrun session runs tests in this process: the rank side (and DTensor,
-        # which it imports) stays out of every other session.
-        from harness.external import ExternalWorld
-
-        world = ExternalWorld(settings.backend, settings.device_type)
-        world.join()
+    world = launcher_named(settings.launcher).join_world(settings.backend, settings.device_type)
+    if world is not None:
         config.stash[EXTERNAL_KEY] = world
 
 
@@ -107,7 +103,11 @@ def _start_fork_server(config: pytest.Config, launcher: str) -> None:
     """Start it once per session, for the launchers that fork ranks from it, and never for
     a session that only collects."""
     config.stash[PRESTARTED_KEY] = True
-    if launcher in ("process", "thread") and not config.option.collectonly:
+    try:
+        starts_ranks = launcher_named(launcher).starts_ranks
+    except ConfigError:
+        return  # reported, as a usage error, at configure
+    if starts_ranks and not config.option.collectonly:
         shared_zygote().prestart()
 
 
@@ -181,9 +181,10 @@ def check_resources(item: pytest.Item) -> None:
     """Skip in the parent, before any rank exists, when the machine cannot run the test."""
     settings = settings_of(item.config)
     device_type = settings.device_type
-    if settings.launcher == "external":
+    launcher = launcher_named(settings.launcher)
+    if not launcher.starts_ranks:
         return  # torchrun, not the harness, decided how many ranks and devices there are
-    if memory_limit_for(item) is not None and settings.launcher != "process":
+    if memory_limit_for(item) is not None and not launcher.limits_memory:
         pytest.skip("a per-rank memory limit needs rank processes (--launcher process)")
     if item.get_closest_marker("requires_accelerator") and device_type == "cpu":
         pytest.skip("needs an accelerator; this run's device is cpu (choose one with --device)")
@@ -270,9 +271,9 @@ def run_on_ranks(
             seed=settings.seed,
             deadline=deadline,
             memory_limit=memory_limit_for(item),
-            # Rank threads share one warnings state: the thread launcher captures nothing.
+            # Ranks that share one warnings state (threads) capture nothing.
             warning_filters=filters_from_config(item.config)
-            if settings.launcher != "thread"
+            if launcher_named(settings.launcher).isolates_warnings
             else (),
             device_audit=device_audit_for(item),
             # Under torchrun every rank is a pytest process that rewrote its own modules.
@@ -358,10 +359,8 @@ def reproducer(item: pytest.Item, settings: DistSettings) -> str:
     world = external_world(item.config)
     if world is not None and world.me.starter == "slurm":
         runner = ["srun", "--ntasks", str(world_size_of(item)), "python"]
-    elif settings.launcher == "external":
-        runner = ["torchrun", "--nproc-per-node", str(world_size_of(item))]
     else:
-        runner = [sys.executable.rsplit("/", 1)[-1]]
+        runner = launcher_named(settings.launcher).reproduce_prefix(world_size_of(item))
     args = [
         *runner,
         "-m",

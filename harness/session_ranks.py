@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from harness.api import run_on_ranks
-from harness.config import resolve_backend
+from harness.launcher_registry import THREAD, launcher_named
 from harness.launchers import build_task, pool_key
 from harness.outcomes import Outcome
 from harness.report import DistributedFailure
@@ -27,7 +27,7 @@ def run_in_session(
     world_size: int,
     kwargs: dict[str, Any] | None = None,
     *,
-    launcher: str = "thread",
+    launcher: str = THREAD,
     deadline: float = 120.0,
     context: str = "",
     fresh: bool = False,
@@ -42,7 +42,7 @@ def run_in_session(
     """
     settings = settings_of(config)
     pools = pools_of(config)
-    if pools is None or settings.launcher == "external":
+    if pools is None or not launcher_named(settings.launcher).starts_ranks:
         return run_on_ranks(
             fn,
             world_size,
@@ -65,7 +65,7 @@ def run_in_session(
     key = pool_key(
         launcher=launcher,
         world_size=world_size,
-        backend=resolve_backend(launcher, None, "cpu"),
+        backend=launcher_named(launcher).backend_for(None, "cpu"),
         device_type="cpu",
         threads_per_rank=settings.threads_for(world_size),
         rendezvous=settings.rendezvous,

@@ -38,6 +38,7 @@ from harness._pytest_private import skip_at_the_items_location
 from harness.adopt import _torch_test_harness as torch_harness
 from harness.adopt.rank import run_adopted_method
 from harness.config import THREADED_BACKEND
+from harness.launcher_registry import THREAD, launcher_named
 from harness.outcomes import RunResult
 from harness.pytest_run import RUN_KEY, PoolChoice, run_on_ranks
 from harness.session import ITEM_WORLD_SIZE_KEY, settings_of
@@ -131,7 +132,7 @@ class AdoptedMethod(pytest.Item):
         broke = self.config.stash[_BROKE_CONTRACT_KEY]
         fresh = self.test_class in broke
         if self._on_rank_threads():
-            choice = PoolChoice(launcher="thread", backend=THREADED_BACKEND, fresh=fresh)
+            choice = PoolChoice(launcher=THREAD, backend=THREADED_BACKEND, fresh=fresh)
         else:
             choice = PoolChoice(fresh=fresh)
         with tempfile.TemporaryDirectory(prefix="distconform-adopt-") as directory:
@@ -156,7 +157,7 @@ class AdoptedMethod(pytest.Item):
         if torch_harness.family_of(self.test_class) != torch_harness.THREAD_FAMILY:
             return False
         settings = settings_of(self.config)
-        return settings.device_type == "cpu" and settings.launcher != "external"
+        return settings.device_type == "cpu" and launcher_named(settings.launcher).starts_ranks
 
     def _report_differences(self, run: RunResult) -> None:
         """How the class ran differently from its own harness, once per session."""

@@ -86,6 +86,8 @@ class ProcessPool:
     """``world_size`` rank processes in one OS process group, in one c10d world."""
 
     launcher = "process"
+    #: Whether the one process this pool starts hosts the ranks as threads.
+    hosts_rank_threads = False
 
     def __init__(self, spec: ProcessPoolSpec) -> None:
         self.spec = spec
@@ -171,6 +173,7 @@ class ProcessPool:
             device_index=rank % (self.spec.devices or self.spec.world_size),
             bind_device=self.spec.bind_device,
             launcher=self.launcher,
+            thread_host=self.hosts_rank_threads,
             threads=self.spec.threads_per_rank,
             control_fd=control_fd,
             stack_path=str(stack_path),

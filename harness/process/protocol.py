@@ -39,6 +39,8 @@ class WorkerSpec:
     # harness.config.binds_device_id).
     device_index: int = 0
     bind_device: bool = True
+    # The process hosts every rank as a thread (the thread launcher) instead of being one.
+    thread_host: bool = False
 
     def to_json(self) -> str:
         return json.dumps(self.__dict__)

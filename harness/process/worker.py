@@ -183,7 +183,7 @@ def main(argv: list[str]) -> None:
     from harness.backend_plugins import import_from_environment
 
     import_from_environment()
-    if spec.launcher == "thread":
+    if spec.thread_host:
         from harness.threads.host_main import serve_thread_host  # imports torch
 
         serve_thread_host(spec)

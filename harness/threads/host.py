@@ -31,6 +31,7 @@ class ThreadHostPool(ProcessPool):
     """``world_size`` rank threads in one host process; implements ``RankPool``."""
 
     launcher = "thread"
+    hosts_rank_threads = True
 
     def __init__(self, world_size: int, echo=None) -> None:
         super().__init__(

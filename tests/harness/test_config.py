@@ -7,20 +7,19 @@ import pytest
 from harness import ConfigError, launch
 from harness.config import (
     check_device_type,
-    check_launcher,
     check_world_size,
     default_threads_per_rank,
     parse_world_sizes,
-    resolve_backend,
 )
 from harness.deadline import pg_timeout_for
+from harness.launcher_registry import launcher_named, resolve_backend
 from tests.harness import rank_bodies
 
 
 @pytest.mark.parametrize(
     ("call", "message"),
     [
-        (lambda: check_launcher("mpi"), "unknown launcher 'mpi': choose one of process, thread"),
+        (lambda: launcher_named("mpi"), "unknown launcher 'mpi': choose one of process, thread"),
         (lambda: check_world_size(0), "world size must be a positive integer, got 0"),
         (lambda: check_world_size(-2), "got -2"),
         (lambda: check_world_size(True), "got True"),
