@@ -277,18 +277,19 @@ class ExternalWorld:
             self._store.set(f"{_SESSION_OVER_KEY}-{self.rank}", "1")
         if dist.is_initialized() and self.broken_reason is None:
             dist.destroy_process_group()
-        if self.rank == 0 and self._store is not None:
+        if self._store is not None:
             # Rank 0 ends last: under torchrun a rank that exits with failures gets the
-            # others killed (their report files cut short), and under srun rank 0's
-            # process serves the store. Bounded: a rank that never ends is not waited for.
-            # The report is written by now, but a console redirected to a file holds its
-            # tail in a buffer, which a kill while waiting here would lose.
+            # others killed, so every other rank waits until rank 0's session (its report
+            # included) is over; and under srun rank 0's process serves the store, so rank 0
+            # waits until every other rank has seen that. Bounded: a rank that never ends is
+            # not waited for. The report is written by now, but a console redirected to a
+            # file holds its tail in a buffer, which a kill while waiting here would lose.
             sys.stdout.flush()
             sys.stderr.flush()
+            others = range(self.world_size) if self.rank == 0 else (0,)
             with contextlib.suppress(Exception):
                 self._store.wait(
-                    [f"{_SESSION_OVER_KEY}-{r}" for r in range(self.world_size)],
-                    timedelta(seconds=30),
+                    [f"{_SESSION_OVER_KEY}-{r}" for r in others], timedelta(seconds=30)
                 )
 
 

@@ -205,7 +205,11 @@ def load_implementation(spec: str | None = None) -> Implementation:
 def _build(spec: str) -> Any:
     registered = entry_points.implementations()
     if spec in registered:
-        return _call(registered[spec].load(), spec)
+        return _call(
+            registered[spec].load(),
+            f"{spec} ({registered[spec].value})",
+            f"the entry point {spec!r} of {entry_points.IMPLEMENTATIONS_GROUP!r}",
+        )
     module_name, _, factory_name = spec.partition(":")
     expected = (
         f"expected a registered name ({', '.join(sorted(registered)) or 'none'}: the entry "
@@ -226,13 +230,13 @@ def _build(spec: str) -> Any:
         raise ValueError(
             f"implementation module {module_name!r} has no factory {factory_name!r}"
         ) from None
-    return _call(factory, f"{module_name}:{factory_name}")
+    return _call(factory, f"{module_name}:{factory_name}", "the name after ':'")
 
 
-def _call(factory: Any, where: str) -> Any:
+def _call(factory: Any, where: str, naming: str) -> Any:
     if not callable(factory):
         raise TypeError(
-            f"{where} is a {type(factory).__name__}, not a factory: it must be a function "
-            f"(or class) that returns an impl.api.Implementation"
+            f"{where} is a {type(factory).__name__}, not a factory: {naming} must be a "
+            f"function (or class) that returns an impl.api.Implementation"
         )
     return factory()

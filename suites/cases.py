@@ -50,6 +50,7 @@ from typing import Any
 
 import pytest
 
+from harness.launcher_registry import BUILT_IN as BUILT_IN_LAUNCHERS
 from suites.backend_capabilities import KNOWN_BACKEND_CAPABILITIES
 
 CASES_FILE = Path(__file__).with_name("cases.toml")
@@ -74,7 +75,8 @@ UNSUPPORTED_PREFIX = "UNSUPPORTED:"
 #: the conformance report names it in the headline, and the run's verdict is INCOMPLETE.
 MISSING_DEPENDENCY_PREFIX = "MISSING DEPENDENCY:"
 LAUNCHER_PREFIX = "LAUNCHER:"
-LAUNCHERS = frozenset({"process", "thread", "external"})
+#: The launchers a case row may name (distconform's own).
+LAUNCHERS = frozenset(BUILT_IN_LAUNCHERS)
 
 
 @dataclass(frozen=True)

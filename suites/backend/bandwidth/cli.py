@@ -201,13 +201,8 @@ def resolve_settings(options: argparse.Namespace) -> Settings:
     """Check everything that can be checked before a rank starts. Raises UsageError."""
     # torch only from here: --help and argument errors answer before it loads.
     from harness.backend_plugins import BackendPluginError, activate
-    from harness.config import (
-        ConfigError,
-        check_device_type,
-        device_count,
-        resolve_backend,
-        sharing_refusal,
-    )
+    from harness.config import ConfigError, check_device_type, device_count, sharing_refusal
+    from harness.launcher_registry import resolve_backend
 
     try:
         sizes = size_ladder(options.min_bytes, options.max_bytes, options.step_factor)
