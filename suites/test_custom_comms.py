@@ -26,7 +26,7 @@ from harness import torch_api
 from harness.comm import padded_numel
 from harness.parity import assert_sharded_parity
 from suites.cases import conformance, grid
-from suites.models import MLPStack
+from suites.training import sharded_mlp_stack
 
 #: What the custom all-gather multiplies the gathered parameters by.
 GATHER_SCALE = 2.0
@@ -149,16 +149,13 @@ def test_custom_collectives_replace_the_implementations(rank_ctx, impl, point):
     shard_group = mesh.get_group(mesh.ndim - 1)
     shard_ranks = tuple(dist.get_process_group_ranks(shard_group))
     shard = len(shard_ranks)
-    with torch.device(rank_ctx.device):
-        model = MLPStack(8)
-    reference = copy.deepcopy(model)
-    scaled = copy.deepcopy(model)
+    model, reference = sharded_mlp_stack(
+        impl, rank_ctx.device, mesh=mesh, reshard_after_forward=True
+    )
+    scaled = copy.deepcopy(reference)
     with torch.no_grad():
         for param in scaled.parameters():
             param.mul_(GATHER_SCALE)
-    for mlp in model:
-        impl.fully_shard(mlp, mesh=mesh, reshard_after_forward=True)
-    impl.fully_shard(model, mesh=mesh)
     gathers = [ScalingAllGather() for _ in model]
     scatters = [ScalingReduceScatter() for _ in model]
     for mlp, gather, scatter in zip(model, gathers, scatters, strict=True):

@@ -13,8 +13,6 @@ summed over the microbatches and averaged over the ranks.
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 from torch.distributed.tensor import DTensor
@@ -22,7 +20,7 @@ from torch.distributed.tensor import DTensor
 from harness.comm import CommTracer
 from harness.parity import assert_sharded_parity, average_gradients
 from suites.cases import conformance, grid
-from suites.models import MLPStack
+from suites.training import sharded_mlp_stack
 
 MICROBATCHES = 2
 
@@ -36,12 +34,7 @@ def test_finalize_backward_completes_the_step(rank_ctx, impl, point):
     Before the first forward the call is a no-op that communicates nothing; once manual mode is
     off again it is refused. Fails on ``tests.suites.broken:finalize_backward_does_nothing_torch``
     ("'0.in_proj.weight' is a Parameter after finalize_backward, not a sharded DTensor")."""
-    with torch.device(rank_ctx.device):
-        model = MLPStack(8)
-    reference = copy.deepcopy(model)
-    for mlp in model:
-        impl.fully_shard(mlp)
-    impl.fully_shard(model)
+    model, reference = sharded_mlp_stack(impl, rank_ctx.device)
     with CommTracer(functional=False) as trace:
         early = model.finalize_backward()
     assert early is None and not trace.calls, (

@@ -28,6 +28,7 @@ from harness.parity import assert_sharded_parity
 from suites.cases import conformance, grid
 from suites.models import MLPStack
 from suites.schedule import ScheduleRecorder, ShardingPlan
+from suites.training import sharded_mlp_stack
 
 
 def run_reduce_controls(
@@ -321,12 +322,7 @@ def test_reduce_scatters_run_on_a_group_of_their_own(rank_ctx, impl):
     all-gathers use, and the gradients are unchanged. Fails on
     ``tests.suites.broken:ignore_separate_reduce_scatter_group`` ("the reduce-scatters ran on
     the all-gathers' group")."""
-    with torch.device(rank_ctx.device):
-        model = MLPStack(8)
-    reference = copy.deepcopy(model)
-    for mlp in model:
-        impl.fully_shard(mlp)
-    impl.fully_shard(model)
+    model, reference = sharded_mlp_stack(impl, rank_ctx.device)
     model.set_separate_reduce_scatter_group()
     torch.manual_seed(42 + rank_ctx.rank + 1)
     inp = torch.randn(4, 8, device=rank_ctx.device)
@@ -404,12 +400,7 @@ def test_reduce_scatter_input_buffers_change_no_gradient(rank_ctx, impl, point):
     plain average and each group still reduce-scatters once per backward. A cap below 1 is
     refused. Fails on ``tests.suites.broken:max_input_buffers_unchecked`` ("a cap of 0 was
     accepted")."""
-    with torch.device(rank_ctx.device):
-        model = MLPStack(8)
-    reference = copy.deepcopy(model)
-    for mlp in model:
-        impl.fully_shard(mlp)
-    impl.fully_shard(model)
+    model, reference = sharded_mlp_stack(impl, rank_ctx.device)
     for cap in (0, -1):
         try:
             model.set_reduce_scatter_max_input_buffers(cap)

@@ -24,9 +24,9 @@ from torch import nn
 
 from harness.parity import assert_losses_equal, assert_sharded_parity, average_gradients
 from suites.cases import conformance
-from suites.models import MLPStack, ModelArgs, Transformer
+from suites.models import ModelArgs, Transformer
 from suites.schedule import ScheduleRecorder, ShardingPlan
-from suites.training import adam, train_with_parity
+from suites.training import adam, sharded_mlp_stack, train_with_parity
 
 N_LAYERS = 4
 #: How long the held-back rank waits for the others' unshard calls to return.
@@ -157,12 +157,7 @@ def test_kept_unsharded_storage_survives_reshard(rank_ctx, impl):
     numbers are unchanged. Fails on ``tests.suites.broken:ignore_keep_unsharded_storage``
     ("storage of 'in_proj.weight' freed by reshard")."""
     torch.manual_seed(42)
-    with torch.device(rank_ctx.device):
-        model = MLPStack(8)
-    reference = copy.deepcopy(model)
-    for mlp in model:
-        impl.fully_shard(mlp)
-    impl.fully_shard(model)
+    model, reference = sharded_mlp_stack(impl, rank_ctx.device)
     model.set_keep_unsharded_storage(True)
     mlp = model[0]
     mlp.unshard()

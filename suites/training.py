@@ -6,10 +6,12 @@ Everything here works through ``impl.api`` objects and public torch APIs only.
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.utils.checkpoint
@@ -24,7 +26,7 @@ from harness.parity import (
     assert_sharded_parity,
     average_gradients,
 )
-from suites.models import ModelArgs, Transformer, TransformerBlock, WidthStack
+from suites.models import MLPStack, ModelArgs, Transformer, TransformerBlock, WidthStack
 from suites.schedule import ScheduleRecorder, ShardingPlan
 
 #: Three steps cover every gradient transition the loops check: fresh gradients (step 0),
@@ -256,6 +258,22 @@ def train_width_stack(
         schedule=plan,
         steps=steps,
     )
+
+
+def sharded_mlp_stack(
+    impl: Any, device: torch.device, **shard_kwargs: Any
+) -> tuple[nn.Module, nn.Module]:
+    """An ``MLPStack(8)`` on ``device`` with each MLP and then the root under ``fully_shard``
+    (``shard_kwargs`` for the MLPs; the root gets their ``mesh``), and the plain copy taken
+    before sharding: the (model, reference) pair of the cases about one control of a sharded
+    stack."""
+    with torch.device(device):
+        model = MLPStack(8)
+    reference = copy.deepcopy(model)
+    for mlp in model:
+        impl.fully_shard(mlp, **shard_kwargs)
+    impl.fully_shard(model, **{k: v for k, v in shard_kwargs.items() if k == "mesh"})
+    return model, reference
 
 
 def transformer(

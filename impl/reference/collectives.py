@@ -22,12 +22,16 @@ import torch.distributed as dist
 from harness import torch_api
 
 
-class AllGather(Protocol):
-    """FSDP2's custom all-gather: the output buffer comes from ``allocate``."""
+class Comm(Protocol):
+    """FSDP2's ``Comm``: a user's collective makes the buffers it communicates in."""
 
     def allocate(
         self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device
     ) -> torch.Tensor: ...
+
+
+class AllGather(Comm, Protocol):
+    """FSDP2's custom all-gather: the output buffer comes from ``allocate``."""
 
     def __call__(
         self,
@@ -38,12 +42,8 @@ class AllGather(Protocol):
     ) -> dist.Work | None: ...
 
 
-class ReduceScatter(Protocol):
+class ReduceScatter(Comm, Protocol):
     """FSDP2's custom reduce-scatter: the input and output buffers come from ``allocate``."""
-
-    def allocate(
-        self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device
-    ) -> torch.Tensor: ...
 
     def __call__(
         self,
