@@ -25,8 +25,9 @@ from harness.config import (
 from harness.deadline import configured_deadline
 from harness.external_rank import ExternalRank
 from harness.external_report import divert_unless_rank_0
+from harness.launcher_registry import BUILT_IN as BUILT_IN_LAUNCHERS
 from harness.launcher_registry import DEFAULT as DEFAULT_LAUNCHER
-from harness.launcher_registry import launcher_named, names
+from harness.launcher_registry import launcher_named
 from harness.markers import check_markers, slow_world_sizes_of, world_sizes_of
 from harness.rank.context import RankContextPlaceholder
 from harness.session import (
@@ -75,7 +76,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption(
         "--launcher",
         default=None,
-        help=f"how ranks are started: {', '.join(names())} (default: {DEFAULT_LAUNCHER})",
+        help=f"how ranks are started: {', '.join(BUILT_IN_LAUNCHERS)}, or a launcher another "
+        f"package registers (default: {DEFAULT_LAUNCHER})",
     )
     group.addoption(
         "--backend",
