@@ -18,6 +18,8 @@ import sys
 import tomllib
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("harness", "impl", "suites", "conformance")
 HOSTILE_PYPROJECT = '[tool.pytest.ini_options]\naddopts = ["-x", "-k", "nothing_matches_this"]\n'
@@ -55,6 +57,9 @@ def collected(cwd: Path, out: Path, site: Path | None, *extra: str) -> tuple[str
     return match.group(0).split(" in ")[0], output
 
 
+# Slow: tests/packaging/test_wheel.py runs the README's job from a vendor repository with
+# its own addopts and a conftest that would fail every test, in the default run.
+@pytest.mark.slow
 def test_a_vendor_repository_does_not_configure_our_suites(tmp_path):
     vendor = tmp_path / "vendor"
     vendor.mkdir()

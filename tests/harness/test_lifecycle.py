@@ -159,6 +159,9 @@ def test_test_modules_import_in_ranks_under_every_import_mode(pytester, mode):
     result.assert_outcomes(passed=1)
 
 
+# Slow: tests/faults/test_session_faults.py checks the same report before pytest-timeout's
+# limit (and the note on the cut deadline) in the default run.
+@pytest.mark.slow
 def test_harness_deadline_fires_before_pytest_timeout(pytester):
     pytester.makepyfile(
         test_hang="""
