@@ -4,12 +4,12 @@ process is one of them and joins their world."""
 from __future__ import annotations
 
 from harness.config import ConfigError, device_backend
-from harness.launcher_registry import Echo
+from harness.launcher_registry import EXTERNAL, Echo
 from harness.pools import PoolKey, RankPool
 
 
 class ExternalLauncher:
-    name = "external"
+    name = EXTERNAL
     starts_ranks = False
     limits_memory = False
     isolates_warnings = True

@@ -14,6 +14,7 @@ start ranks, can it limit their memory...) instead of testing its name.
 from __future__ import annotations
 
 import importlib
+import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
@@ -93,6 +94,11 @@ def launcher_named(name: str) -> Launcher:
     if name in installed:
         return register(installed[name].load())
     raise ConfigError(f"unknown launcher {name!r}: choose one of {', '.join(names())}")
+
+
+def this_python() -> list[str]:
+    """The reproduce prefix of launchers whose ranks this pytest starts: the interpreter."""
+    return [sys.executable.rsplit("/", 1)[-1]]
 
 
 def resolve_backend(launcher: str, backend: str | None, device_type: str) -> str:

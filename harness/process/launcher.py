@@ -3,16 +3,14 @@ one OS process group; accelerator ranks lease their devices."""
 
 from __future__ import annotations
 
-import sys
-
 from harness.config import binds_device_id, device_backend, device_count
-from harness.launcher_registry import Echo
+from harness.launcher_registry import PROCESS, Echo, this_python
 from harness.leasing import LeasedPool
 from harness.pools import PoolKey, RankPool
 
 
 class ProcessLauncher:
-    name = "process"
+    name = PROCESS
     starts_ranks = True
     limits_memory = True
     isolates_warnings = True
@@ -53,7 +51,7 @@ class ProcessLauncher:
         return None
 
     def reproduce_prefix(self, world_size: int) -> list[str]:
-        return [sys.executable.rsplit("/", 1)[-1]]
+        return this_python()
 
 
 LAUNCHER = ProcessLauncher()

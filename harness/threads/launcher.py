@@ -3,15 +3,13 @@ backend, on the CPU."""
 
 from __future__ import annotations
 
-import sys
-
 from harness.config import THREADED_BACKEND, ConfigError
-from harness.launcher_registry import Echo
+from harness.launcher_registry import THREAD, Echo, this_python
 from harness.pools import PoolKey, RankPool
 
 
 class ThreadLauncher:
-    name = "thread"
+    name = THREAD
     starts_ranks = True
     limits_memory = False
     # Rank threads share one warnings state: the test's filters are not applied per rank.
@@ -39,7 +37,7 @@ class ThreadLauncher:
         return None
 
     def reproduce_prefix(self, world_size: int) -> list[str]:
-        return [sys.executable.rsplit("/", 1)[-1]]
+        return this_python()
 
 
 LAUNCHER = ThreadLauncher()
