@@ -20,7 +20,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from harness import backend_plugins, entry_points
+from harness import entry_points
+from harness.shared import backend_plugins
 
 DEFAULT_OUT = "conformance-report"
 SUITES = ("fsdp", "backend")

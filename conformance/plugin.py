@@ -30,7 +30,7 @@ from conformance.expectations import Entry, Expectations, ExpectationsError, com
 from conformance.progress import RunTracker
 from conformance.report import writable_directory
 from conformance.tolerance import Tolerance
-from harness.session import (
+from harness.controller.session import (
     prints_the_report,
     requested_launcher,
     settings_of,

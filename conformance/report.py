@@ -54,13 +54,13 @@ from conformance.statuses import (
     plural,
 )
 from conformance.verdict import Verdict, profile_verdict, run_verdict
-from harness.backend_plugins import ENV_VAR as BACKEND_PLUGINS_VAR
-from harness.session import (
+from harness.controller.session import (
     RANK_OUTCOMES_PROPERTY,
     REPRODUCE_PROPERTY,
     SETTINGS_KEY,
     world_size_of,
 )
+from harness.shared.backend_plugins import ENV_VAR as BACKEND_PLUGINS_VAR
 from suites.cases import (
     BACKEND,
     CAPABILITIES_PROPERTY,

@@ -19,18 +19,18 @@ import importlib
 from typing import Any
 
 _EXPORTS = {
-    "ConfigError": "harness.config",
+    "ConfigError": "harness.controller.config",
     "DeviceAudit": "harness.rank.device_audit",
     "DeviceAuditError": "harness.rank.device_audit",
-    "DistributedFailure": "harness.report",
-    "Outcome": "harness.outcomes",
-    "RankContext": "harness.rank.context",
-    "RankLocal": "harness.rank.context",
-    "RankResult": "harness.outcomes",
-    "RunResult": "harness.outcomes",
-    "get_rank_context": "harness.rank.context",
-    "launch": "harness.api",
-    "run_on_ranks": "harness.api",
+    "DistributedFailure": "harness.controller.failure_report",
+    "Outcome": "harness.shared.outcomes",
+    "RankContext": "harness.shared.rank_context",
+    "RankLocal": "harness.shared.rank_context",
+    "RankResult": "harness.shared.outcomes",
+    "RunResult": "harness.shared.outcomes",
+    "get_rank_context": "harness.shared.rank_context",
+    "launch": "harness.controller.run_function",
+    "run_on_ranks": "harness.controller.run_function",
 }
 
 __all__ = sorted(_EXPORTS)

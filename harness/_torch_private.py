@@ -398,7 +398,7 @@ def unbind_thread_c10d_world() -> None:
         world._local.state = None  # type: ignore[attr-defined]
 
 
-# --- torch._dynamo, imported by DTensor's first call (harness/process/zygote.py) ----------------
+# --- torch._dynamo, imported by DTensor's first call (harness/rank/zygote.py) ----------------
 
 
 AUDITS["import_dynamo"] = Audit(

@@ -2,9 +2,10 @@
 
 Registered through the ``pytest11`` entry point ``distconform``. This module only holds
 options, markers, the world-size parametrization and the fixtures; at configure time it
-registers the plugins that do the work: :mod:`harness.pytest_run` (its hooks run a marked
-test on its ranks) and :mod:`harness.summary` (the end-of-run table). The session's state
-lives in :mod:`harness.session`. Nothing below imports this module.
+registers the plugins that do the work: :mod:`harness.controller.item_runner` (its hooks
+run a marked test on its ranks) and :mod:`harness.controller.summary_table` (the end-of-run
+table). The session's state lives in :mod:`harness.controller.session`. Nothing below
+imports this module.
 """
 
 from __future__ import annotations
@@ -13,8 +14,8 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from harness import backend_plugins, hookspecs, pytest_run, summary
-from harness.config import (
+from harness.controller import hookspecs, item_runner, summary_table
+from harness.controller.config import (
     ConfigError,
     DistSettings,
     check_device_type,
@@ -22,15 +23,14 @@ from harness.config import (
     parse_memory_limit,
     parse_world_sizes,
 )
-from harness.deadline import configured_deadline
-from harness.external_rank import ExternalRank
-from harness.external_report import divert_unless_rank_0
-from harness.launcher_registry import BUILT_IN as BUILT_IN_LAUNCHERS
-from harness.launcher_registry import DEFAULT as DEFAULT_LAUNCHER
-from harness.launcher_registry import launcher_named
-from harness.markers import check_markers, slow_world_sizes_of, world_sizes_of
-from harness.rank.context import RankContextPlaceholder
-from harness.session import (
+from harness.controller.deadline import configured_deadline
+from harness.controller.external.rank import ExternalRank
+from harness.controller.external.report import divert_unless_rank_0
+from harness.controller.launcher_registry import BUILT_IN as BUILT_IN_LAUNCHERS
+from harness.controller.launcher_registry import DEFAULT as DEFAULT_LAUNCHER
+from harness.controller.launcher_registry import launcher_named
+from harness.controller.markers import check_markers, slow_world_sizes_of, world_sizes_of
+from harness.controller.session import (
     DIVERSION_KEY,
     SETTINGS_KEY,
     WORLD_SIZE_PARAM,
@@ -39,9 +39,11 @@ from harness.session import (
     world_size_of,
 )
 from harness.shadowing import shadowed_message
+from harness.shared import backend_plugins
+from harness.shared.rank_context import RankContextPlaceholder
 
 if TYPE_CHECKING:
-    from harness.external import ExternalWorld
+    from harness.controller.external.world import ExternalWorld
 
 # Here, before the conformance plugin (loaded after this one) imports impl and suites: a
 # vendor's package of the same name earlier on sys.path would fail there with an import
@@ -189,7 +191,7 @@ def pytest_addhooks(pluginmanager: pytest.PytestPluginManager) -> None:
 @pytest.hookimpl(tryfirst=True)
 def pytest_cmdline_main(config: pytest.Config) -> None:
     """Under torchrun or srun, before pytest builds its terminal: only rank 0 prints the
-    report, every other rank's goes to a file (:mod:`harness.external_report`)."""
+    report, every other rank's goes to a file (:mod:`harness.controller.external.report`)."""
     if hasattr(config, "workerinput"):
         return
     try:
@@ -219,17 +221,17 @@ def pytest_configure(config: pytest.Config) -> None:
         )
     except backend_plugins.BackendPluginError as exc:
         raise pytest.UsageError(f"distconform: {exc}") from None
-    pytest_run.prestart_if_expected(config)  # before _settings_from imports torch
+    item_runner.prestart_if_expected(config)  # before _settings_from imports torch
     try:
         settings = _settings_from(config)
     except ConfigError as exc:
         raise pytest.UsageError(f"distconform: {exc}") from None
     config.stash[SETTINGS_KEY] = settings
     try:
-        pytest_run.configure(config, settings)
+        item_runner.configure(config, settings)
     except ConfigError as exc:
         raise pytest.UsageError(f"distconform: {exc}") from None
-    summary.configure(config)
+    summary_table.configure(config)
 
 
 def _settings_from(config: pytest.Config) -> DistSettings:
@@ -262,7 +264,7 @@ def _settings_from(config: pytest.Config) -> DistSettings:
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
-    pytest_run.unconfigure(config)
+    item_runner.unconfigure(config)
 
 
 def pytest_report_header(config: pytest.Config) -> str | None:

@@ -50,7 +50,7 @@ from typing import Any
 
 import pytest
 
-from harness.launcher_registry import BUILT_IN as BUILT_IN_LAUNCHERS
+from harness.controller.launcher_registry import BUILT_IN as BUILT_IN_LAUNCHERS
 from suites.backend_capabilities import KNOWN_BACKEND_CAPABILITIES
 
 CASES_FILE = Path(__file__).with_name("cases.toml")

@@ -37,11 +37,12 @@ import pytest
 from harness._pytest_private import skip_at_the_items_location
 from harness.adopt import _torch_test_harness as torch_harness
 from harness.adopt.rank import run_adopted_method
-from harness.config import THREADED_BACKEND
-from harness.launcher_registry import THREAD, launcher_named
-from harness.outcomes import RunResult
-from harness.pytest_run import RUN_KEY, PoolChoice, run_on_ranks
-from harness.session import ITEM_WORLD_SIZE_KEY, settings_of
+from harness.controller.config import THREADED_BACKEND
+from harness.controller.item_runner import RUN_KEY, run_item_body
+from harness.controller.item_settings import PoolChoice
+from harness.controller.launcher_registry import THREAD, launcher_named
+from harness.controller.session import ITEM_WORLD_SIZE_KEY, settings_of
+from harness.shared.outcomes import RunResult
 
 PLUGIN_NAME = "distconform-adopt-collection"
 OPTION = "--dist-adopt"
@@ -72,6 +73,17 @@ def pytest_pycollect_makeitem(
     if not unittest.TestLoader().getTestCaseNames(obj):
         return None  # a base class (FSDPTest itself, imported): pytest's plugin finds nothing
     return AdoptedClass.from_parent(collector, name=name, obj=obj)
+
+
+def pytest_distconform_pool_choice(item: pytest.Item) -> PoolChoice | None:
+    """A ``MultiThreadedTestCase`` class runs on rank threads; a class that broke the
+    warm-pool contract earlier in the session, on a pool of its own."""
+    if not isinstance(item, AdoptedMethod):
+        return None
+    fresh = item.test_class in item.config.stash[_BROKE_CONTRACT_KEY]
+    if item.on_rank_threads():
+        return PoolChoice(launcher=THREAD, backend=THREADED_BACKEND, fresh=fresh)
+    return PoolChoice(fresh=fresh)
 
 
 def pytest_distconform_reproducer_args(config: pytest.Config) -> list[str]:
@@ -130,22 +142,13 @@ class AdoptedMethod(pytest.Item):
             if reason is not None:
                 skip_at_the_items_location(f"{reason}; --dist-adopt-fsdp-on-cpu runs it anyway")
         broke = self.config.stash[_BROKE_CONTRACT_KEY]
-        fresh = self.test_class in broke
-        if self._on_rank_threads():
-            choice = PoolChoice(launcher=THREAD, backend=THREADED_BACKEND, fresh=fresh)
-        else:
-            choice = PoolChoice(fresh=fresh)
         with tempfile.TemporaryDirectory(prefix="distconform-adopt-") as directory:
             # The store file the class expects in self.file_name: shared by its ranks.
             store_file = Path(directory, "store")
             store_file.touch()
             try:
-                run_on_ranks(
-                    self,
-                    run_adopted_method,
-                    (self.test_class, self.name, str(store_file)),
-                    {},
-                    choice,
+                run_item_body(
+                    self, run_adopted_method, (self.test_class, self.name, str(store_file)), {}
                 )
             finally:
                 run = self.stash.get(RUN_KEY, None)
@@ -153,7 +156,7 @@ class AdoptedMethod(pytest.Item):
                     self._report_differences(run)
                     self._note_contract(run, broke)
 
-    def _on_rank_threads(self) -> bool:
+    def on_rank_threads(self) -> bool:
         if torch_harness.family_of(self.test_class) != torch_harness.THREAD_FAMILY:
             return False
         settings = settings_of(self.config)

@@ -110,7 +110,7 @@ def _install() -> None:
     """Replace the two functions once per process; they defer to torch's own on any thread
     not running an adopted method, so a rank that runs other tests sees no change. Done when
     this module is imported, which the rank does before the test's module
-    (``harness.task.ensure_modules``), so that ``from torch.distributed import
+    (``harness.shared.task.ensure_modules``), so that ``from torch.distributed import
     init_process_group`` in a test module binds the served function."""
     with _installed:
         if _originals:

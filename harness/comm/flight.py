@@ -37,7 +37,7 @@ from harness.comm.records import (
     default_group_name,
 )
 from harness.comm.tracer import CallNumbering
-from harness.outcomes import GroupLedger
+from harness.shared.outcomes import GroupLedger
 
 
 class _RankTraceFiles:

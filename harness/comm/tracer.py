@@ -20,7 +20,7 @@ from harness.comm.records import (
     group_identity,
     wire_bytes,
 )
-from harness.rank.context import get_rank_context
+from harness.shared.rank_context import get_rank_context
 
 
 class CallNumbering:

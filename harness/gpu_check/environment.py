@@ -23,7 +23,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from harness import backend_plugins
+from harness.shared import backend_plugins
 
 _NVIDIA_SMI_FIELDS = "name,memory.total,driver_version"
 

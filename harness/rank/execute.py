@@ -14,14 +14,14 @@ import torch
 import torch.distributed as dist
 
 from harness.comm import flight
-from harness.memory import format_size, looks_like_out_of_memory
-from harness.outcomes import Outcome, RankResult
 from harness.rank import hygiene
-from harness.rank.context import RankContext, RankLocal, active_rank_context
 from harness.rank.device_audit import device_audit
 from harness.rank.memory_limit import limited_memory
 from harness.rank.warning_capture import rank_warning_capture
-from harness.task import RankTask, ensure_modules, unpack_call
+from harness.shared.memory_sizes import format_size, looks_like_out_of_memory
+from harness.shared.outcomes import Outcome, RankResult
+from harness.shared.rank_context import RankContext, RankLocal, active_rank_context
+from harness.shared.task import RankTask, ensure_modules, unpack_call
 
 # Text that gloo, NCCL and the store put in errors raised because *another* rank
 # went away or never arrived. Such errors are reactions, not causes.

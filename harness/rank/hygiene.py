@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from harness import _torch_private
-from harness.environ import changed_variables, raw_environment
+from harness.shared.environ import changed_variables, raw_environment
 
 # Threads that finish on their own shortly after a test (autograd, timers) get this
 # long before they count as leaked.
@@ -30,7 +30,7 @@ _THREAD_GRACE_S = 0.5
 @dataclass(frozen=True)
 class Snapshot:
     threads: frozenset[int]
-    env: dict[Any, Any]  # harness.environ.raw_environment()
+    env: dict[Any, Any]  # harness.shared.environ.raw_environment()
     groups: frozenset[int]
     torch_globals: dict[str, object]
 

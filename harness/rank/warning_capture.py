@@ -1,7 +1,7 @@
 """The rank's half of pytest's warning filters: apply them while a task runs, record the rest.
 
 The parent ships its filters with each task and re-emits what comes back
-(:mod:`harness.rank_warnings`).
+(:mod:`harness.shared.rank_warnings`).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import re
 import warnings
 from collections.abc import Iterator
 
-from harness.rank_warnings import RankWarning, category_of
+from harness.shared.rank_warnings import RankWarning, category_of
 
 
 def _category_name(category: type[Warning]) -> str:

@@ -9,10 +9,11 @@ Running code on rank threads::
     result.raise_on_failure()                                     # RunFailedError
     runner.usable                                                 # False after a hang
 
-``RunResult`` and ``RankResult`` are :mod:`harness.outcomes`' (the process launcher's too);
+``RunResult`` and ``RankResult`` are :mod:`harness.shared.outcomes`' (the process launcher's too);
 a thread rank's ``RankResult.error`` also holds the exception object it raised.
 
-``harness.threads.pool.ThreadPool`` puts the runner behind ``harness.pools.RankPool``.
+``harness.rank.thread_ranks.ThreadPool`` puts the runner behind
+``harness.controller.pools.RankPool``.
 
 Observing collectives::
 

@@ -2,7 +2,7 @@
 
     with ThreadRunner(world_size=4) as runner:
         result = runner.run(fn, arg, deadline=30.0)
-    result.raise_on_failure()  # harness.outcomes.RunFailedError
+    result.raise_on_failure()  # harness.shared.outcomes.RunFailedError
     result.values  # [fn's return value on rank 0, 1, 2, 3]
 
 The runner keeps N rank threads for its life, like a warm pool keeps rank processes: each
@@ -32,7 +32,7 @@ Isolation (see :mod:`harness.threads.world` for why one rank runs at a time):
    the thread cannot be killed, so the caller should replace the host process.
 
 With ``capture_output=True`` what each rank prints is kept per rank (``RankResult.output``).
-A run's result is the harness's one :class:`~harness.outcomes.RunResult`, the same the
+A run's result is the harness's one :class:`~harness.shared.outcomes.RunResult`, the same the
 process launcher returns; each rank's exception object is kept on ``RankResult.error``.
 
 The thread-local c10d world is installed while the runner is open and uninstalled by
@@ -55,7 +55,7 @@ import torch
 import torch.distributed as dist
 
 from harness import _torch_private
-from harness.outcomes import Outcome, RankResult, RunResult
+from harness.shared.outcomes import Outcome, RankResult, RunResult
 from harness.threads.backend import BACKEND_NAME, ThreadedProcessGroup, register_threaded_backend
 from harness.threads.output import RankOutputCapture
 from harness.threads.store import RunStore

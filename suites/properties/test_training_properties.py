@@ -30,8 +30,8 @@ from hypothesis import given
 from torch import nn
 
 from harness import DistributedFailure, get_rank_context
+from harness.controller.session_ranks import run_in_session
 from harness.parity import ReferenceModel, assert_losses_equal, assert_sharded_parity
-from harness.session_ranks import run_in_session
 from suites.properties.strategies import (
     MAX_WORLD_SIZE,
     REPLAY_ENV,

@@ -17,8 +17,8 @@ import torch
 import torch.distributed as dist
 
 from harness import torch_api
-from harness.config import binds_device_id
-from harness.leasing import VISIBILITY_ENV
+from harness.controller.config import binds_device_id
+from harness.controller.leasing import VISIBILITY_ENV
 
 pytestmark = pytest.mark.requires_accelerator
 

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from harness import launch, torch_api
-from harness.report import render_failure
+from harness.controller.failure_report import render_failure
 from tests.comm import diverging_bodies
 
 WORLD_SIZES = [2, 4]

@@ -133,7 +133,7 @@ def test_every_case_item_records_its_case_and_needs(
 
 
 def test_recording_twice_keeps_one_entry_each():
-    from harness.session import world_size_of
+    from harness.controller.session import world_size_of
     from suites.cases import apply_case_table
 
     item = collect("fsdp.prefetch.explicit", 2)

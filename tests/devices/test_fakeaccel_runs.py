@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from harness.leasing import LEASE_DIR_ENV
+from harness.controller.leasing import LEASE_DIR_ENV
 
 ROOT = Path(__file__).resolve().parents[2]
 

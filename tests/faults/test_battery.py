@@ -15,11 +15,11 @@ import psutil
 import pytest
 
 from harness import Outcome
-from harness.launchers import make_pool
-from harness.memory import parse_size
-from harness.pools import PoolKey, PoolManager
-from harness.process.spawning import shared_zygote
-from harness.report import render_failure
+from harness.controller.dispatch import make_pool
+from harness.controller.failure_report import render_failure
+from harness.controller.pools import PoolKey, PoolManager
+from harness.controller.process.spawning import shared_zygote
+from harness.shared.memory_sizes import parse_size
 from tests.faults import faults
 from tests.faults.conftest import record_row
 from tests.harness.conftest import task_for

@@ -5,14 +5,14 @@ from __future__ import annotations
 import pytest
 
 from harness import ConfigError, launch
-from harness.config import (
+from harness.controller.config import (
     check_device_type,
     check_world_size,
     default_threads_per_rank,
     parse_world_sizes,
 )
-from harness.deadline import pg_timeout_for
-from harness.launcher_registry import launcher_named, resolve_backend
+from harness.controller.deadline import pg_timeout_for
+from harness.controller.launcher_registry import launcher_named, resolve_backend
 from tests.harness import rank_bodies
 
 
@@ -63,7 +63,7 @@ def test_collectives_time_out_before_the_deadline():
     ],
 )
 def test_launch_rejects_bad_input_without_spawning(monkeypatch, kwargs, message):
-    from harness.process.pool import ProcessPool
+    from harness.controller.process.pool import ProcessPool
 
     def refuse(*args, **kw):
         raise AssertionError("spawned despite bad input")

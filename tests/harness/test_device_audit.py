@@ -163,7 +163,7 @@ def test_the_option_audits_every_test_on_thread_ranks(pytester):
 
 
 def test_the_ini_value_turns_the_audit_on(pytester):
-    from harness.session import SETTINGS_KEY
+    from harness.controller.session import SETTINGS_KEY
 
     pytester.makeini("[pytest]\ndist_device_audit = true\n")
     assert pytester.parseconfigure().stash[SETTINGS_KEY].device_audit is True

@@ -9,11 +9,11 @@ from __future__ import annotations
 import pytest
 
 from harness.backends import staged_gloo
-from harness.config import DistSettings, binds_device_id, sharing_refusal
-from harness.launchers import make_pool
-from harness.leasing import FAKE_COUNT_ENV, LeasedPool
-from harness.pools import PoolKey
-from harness.process.pool import ProcessPool
+from harness.controller.config import DistSettings, binds_device_id, sharing_refusal
+from harness.controller.dispatch import make_pool
+from harness.controller.leasing import FAKE_COUNT_ENV, LeasedPool
+from harness.controller.pools import PoolKey
+from harness.controller.process.pool import ProcessPool
 
 NEEDS_FOUR_RANKS = """
     import pytest

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from harness.config import ConfigError
-from harness.launcher_registry import (
+from harness.controller.config import ConfigError
+from harness.controller.launcher_registry import (
     BUILT_IN,
     launcher_named,
     names,

@@ -152,11 +152,11 @@ def test_the_import_reader_sees_function_local_and_relative_imports(tmp_path):
     source = tmp_path / "mod.py"
     source.write_text(
         "from typing import TYPE_CHECKING\n"
-        "import harness.config\n"
+        "import harness.controller.config\n"
         "if TYPE_CHECKING:\n    import suites.cases\n"
         "def f():\n    from conformance import report\n"
     )
     everything = _imports(source, "harness.mod", module_level_only=False)
-    assert {"harness.config", "conformance.report"} <= everything
+    assert {"harness.controller.config", "conformance.report"} <= everything
     assert "suites.cases" not in everything
-    assert _imports(source, "harness.mod", module_level_only=True) == {"harness.config"}
+    assert _imports(source, "harness.mod", module_level_only=True) == {"harness.controller.config"}

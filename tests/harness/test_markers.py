@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from harness.config import ConfigError
-from harness.markers import (
+from harness.controller.config import ConfigError
+from harness.controller.markers import (
     deadline_of,
     memory_limit_of,
     required_devices_of,

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from harness import Outcome
-from harness.memory import format_size, parse_size
-from harness.report import render_failure
+from harness.controller.failure_report import render_failure
+from harness.shared.memory_sizes import format_size, parse_size
 from tests.harness.conftest import KEY4, task_for
 
 

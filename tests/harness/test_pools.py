@@ -7,8 +7,8 @@ import os
 import pytest
 
 from harness import Outcome
-from harness.pools import PoolManager, PoolStartFailure
-from harness.process.pool import ProcessPool, ProcessPoolSpec
+from harness.controller.pools import PoolManager, PoolStartFailure
+from harness.controller.process.pool import ProcessPool, ProcessPoolSpec
 from tests.harness import rank_bodies
 from tests.harness.conftest import KEY4, task_for
 
@@ -26,7 +26,7 @@ def test_a_pool_serves_many_tests(pools):
 
 @pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="Linux scheduling classes")
 def test_cpu_ranks_leave_the_parents_cpu_to_the_parent(pools):
-    # harness/process/worker.py: a batch-class rank does not preempt the parent handing
+    # harness/rank/worker.py: a batch-class rank does not preempt the parent handing
     # the test to the next rank.
     assert run(pools, rank_bodies.scheduling_policy).values == [os.SCHED_BATCH] * 4
 
@@ -81,7 +81,7 @@ def test_every_test_starts_with_the_same_rng_state_on_every_rank(pools):
 
 
 def test_a_changed_environment_gets_a_new_pool(monkeypatch):
-    from harness.pools import env_fingerprint
+    from harness.controller.pools import env_fingerprint
 
     before = env_fingerprint()
     monkeypatch.setenv("DISTCONFORM_POOL_KEY_PROBE", "1")
@@ -215,7 +215,7 @@ def test_the_pytest_process_runs_and_reports_tests_without_importing_dtensor(pyt
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
     result.assert_outcomes(passed=1, failed=1)
     modules = set((pytester.path / "parent_modules.txt").read_text().split())
-    assert "harness.process.pool" in modules and "harness.comm.flight_files" in modules
+    assert "harness.controller.process.pool" in modules and "harness.comm.flight_files" in modules
     assert "torch.distributed.tensor" not in modules
 
 
@@ -237,7 +237,7 @@ def test_the_fork_server_starts_at_configure_when_the_last_session_had_distribut
         """
         import pytest
 
-        from harness.process.spawning import shared_zygote
+        from harness.controller.process.spawning import shared_zygote
 
 
         @pytest.hookimpl(trylast=True)

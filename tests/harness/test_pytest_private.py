@@ -63,7 +63,7 @@ def _write_pytest_pyc(source_path, code):
 
 
 def test_ranks_reuse_the_rewritten_code_pytest_cached_while_the_source_is_unchanged(tmp_path):
-    from harness.rewritten_imports import _RewritingLoader
+    from harness.shared.rewritten_imports import _RewritingLoader
 
     source = tmp_path / "test_cached.py"
     source.write_text("ORIGIN = 'source'\n")

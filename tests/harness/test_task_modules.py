@@ -6,7 +6,7 @@ import sys
 import types
 
 from harness.adopt.rank import run_adopted_method
-from harness.task import pack_call
+from harness.shared.task import pack_call
 
 
 def test_the_harnesss_modules_come_before_the_tests(monkeypatch, tmp_path):

@@ -10,9 +10,9 @@ import psutil
 import pytest
 
 from harness import Outcome
-from harness.launchers import make_pool
-from harness.pools import PoolKey, PoolManager
-from harness.report import verdict_headline
+from harness.controller.dispatch import make_pool
+from harness.controller.failure_report import verdict_headline
+from harness.controller.pools import PoolKey, PoolManager
 from tests.harness import rank_bodies
 from tests.harness.conftest import task_for
 

@@ -1,15 +1,16 @@
 """A launcher in one module, registered at import (``-p tests.harness.toy_launcher``): rank
 processes that carry a mark in their environment, and a reproduce command of their own.
 
-It implements ``harness.launcher_registry.Launcher`` with the harness's process pool, which
+It implements ``harness.controller.launcher_registry.Launcher`` with the harness's process
+pool, which
 is what a vendor's launcher (ranks on another scheduler, say) would replace.
 """
 
 from __future__ import annotations
 
-from harness.config import device_backend
-from harness.launcher_registry import Echo, register
-from harness.pools import PoolKey, RankPool
+from harness.controller.config import device_backend
+from harness.controller.launcher_registry import Echo, register
+from harness.controller.pools import PoolKey, RankPool
 
 NAME = "toy"
 #: Every rank this launcher starts has it in its environment.
@@ -26,7 +27,10 @@ class ToyLauncher:
         return device_backend(backend, device_type)
 
     def make_pool(self, key: PoolKey, echo: Echo) -> RankPool:
-        from harness.process.pool import ProcessPool, ProcessPoolSpec  # as the process launcher
+        from harness.controller.process.pool import (  # as the process launcher
+            ProcessPool,
+            ProcessPoolSpec,
+        )
 
         return ProcessPool(
             ProcessPoolSpec(

@@ -21,7 +21,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from harness.session import WORLD_SIZE_PARAM, world_size_of
+from harness.controller.session import WORLD_SIZE_PARAM, world_size_of
 from impl.api import KNOWN_CAPABILITIES
 from suites.cases import CASE_MARKER, apply_case_table, load_cases, parse_cases
 

@@ -17,7 +17,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
 from harness import _torch_private
-from harness.outcomes import Outcome
+from harness.shared.outcomes import Outcome
 from harness.threads import RunnerUnusableError, ThreadRunner, run_threaded
 
 

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from harness import torch_api
-from harness.api import run_on_ranks
+from harness.controller.run_function import run_on_ranks
 from harness.threads import run_threaded
 
 pytestmark = pytest.mark.slow

@@ -1,4 +1,5 @@
-"""ThreadPool: the runner behind harness.pools' RankPool interface, fed real RankTasks."""
+"""ThreadPool: the runner behind harness.controller.pools' RankPool interface, fed real
+RankTasks."""
 
 from __future__ import annotations
 
@@ -9,9 +10,9 @@ import torch
 import torch.distributed as dist
 
 from harness import get_rank_context
-from harness.outcomes import Outcome
-from harness.task import RankTask, pack_call
-from harness.threads.pool import ThreadPool
+from harness.rank.thread_ranks import ThreadPool
+from harness.shared.outcomes import Outcome
+from harness.shared.task import RankTask, pack_call
 
 _release = threading.Event()
 

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from harness import _torch_private, torch_api
-from harness.outcomes import Outcome, RunFailedError
+from harness.shared.outcomes import Outcome, RunFailedError
 from harness.threads import (
     CollectiveDeadlockError,
     CollectiveMismatchError,

@@ -24,8 +24,9 @@ from pathlib import Path
 import torch
 from filelock import FileLock
 
-from harness import _torch_private, leasing
+from harness import _torch_private
 from harness.backends import staged_gloo
+from harness.controller import leasing
 from harness.devices.fakeaccel import module
 
 DEVICE_TYPE = module.DEVICE_TYPE

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from harness import backend_plugins
+from harness.shared import backend_plugins
 from suites.backend.bandwidth.arithmetic import (
     DEFAULT_OPS,
     DTYPE_SIZES,
@@ -200,9 +200,14 @@ class UsageError(ValueError):
 def resolve_settings(options: argparse.Namespace) -> Settings:
     """Check everything that can be checked before a rank starts. Raises UsageError."""
     # torch only from here: --help and argument errors answer before it loads.
-    from harness.backend_plugins import BackendPluginError, activate
-    from harness.config import ConfigError, check_device_type, device_count, sharing_refusal
-    from harness.launcher_registry import resolve_backend
+    from harness.controller.config import (
+        ConfigError,
+        check_device_type,
+        device_count,
+        sharing_refusal,
+    )
+    from harness.controller.launcher_registry import resolve_backend
+    from harness.shared.backend_plugins import BackendPluginError, activate
 
     try:
         sizes = size_ladder(options.min_bytes, options.max_bytes, options.step_factor)

@@ -101,7 +101,7 @@ def environment(settings: Settings) -> dict[str, Any]:
     because other work on the host skews the times, small messages most."""
     import torch
 
-    from harness.config import available_cores
+    from harness.controller.config import available_cores
 
     return {
         "date": datetime.now(UTC).isoformat(timespec="seconds"),

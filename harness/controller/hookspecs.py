@@ -1,0 +1,22 @@
+"""Hooks other plugins implement to extend distconform."""
+
+from __future__ import annotations
+
+import pytest
+
+
+def pytest_distconform_reproducer_args(config: pytest.Config) -> list[str]:
+    """Extra command-line arguments a reproducer command needs (e.g. ``--impl torch``).
+
+    Every implementation's list is appended, in plugin order.
+    """
+    raise NotImplementedError
+
+
+@pytest.hookspec(firstresult=True)
+def pytest_distconform_pool_choice(item: pytest.Item):
+    """Where a distributed item runs, when not on the session's launcher and backend, or on
+    a pool of its own: a :class:`harness.controller.item_settings.PoolChoice`, or None.
+
+    Asked once per item, at setup; the first plugin to answer decides.
+    """

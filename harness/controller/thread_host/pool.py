@@ -1,0 +1,132 @@
+"""The thread launcher's host process: N rank threads live in one child process.
+
+Rank threads cannot be killed. Running them inside pytest would leave a hung rank
+spinning in the pytest process for the rest of the session, so the threads live in a
+host process forked from the fork server, like a process rank. The host runs each
+task on its :class:`~harness.rank.thread_ranks.ThreadPool` and sends back the judged
+``RunResult``; when a run did not pass cleanly (a hung thread may still be spinning)
+the parent kills the host and the next test gets a new one. This module is the
+parent's side; the host's own loop is :mod:`harness.rank.thread_host`.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+from multiprocessing.connection import wait
+from pathlib import Path
+
+from harness.controller.process.pool import ProcessPool, ProcessPoolSpec
+from harness.rank.thread_host_exit import note_path, read_exit_note
+from harness.shared.outcomes import Outcome, RankResult, RunResult
+from harness.shared.protocol import ThreadHostRun, WorkerSpec
+from harness.shared.task import RankTask
+
+# Beyond the deadline the host's own runner reports a hung thread; this long again,
+# and the host process itself is considered stuck.
+_HOST_MARGIN_S = 10.0
+
+
+class ThreadHostPool(ProcessPool):
+    """``world_size`` rank threads in one host process; implements ``RankPool``."""
+
+    launcher = "thread"
+    hosts_rank_threads = True
+
+    def __init__(self, world_size: int, echo=None) -> None:
+        super().__init__(
+            ProcessPoolSpec(
+                world_size=world_size,
+                backend="threaded",
+                device_type="cpu",
+                threads_per_rank=1,
+                echo=echo,
+            )
+        )
+
+    @property
+    def process_count(self) -> int:
+        return 1
+
+    def _make_store(self) -> dict:
+        return {"kind": "none"}  # the rank threads rendezvous inside the host
+
+    def _worker_spec(self, rank: int, store: dict, control_fd: int, stack_path: Path) -> WorkerSpec:
+        return replace(super()._worker_spec(rank, store, control_fd, stack_path), rank=0)
+
+    def run(self, task: RankTask, deadline: float, peer_grace: float) -> RunResult:
+        self._task_counter += 1
+        task = replace(task, task_id=self._task_counter)
+        host = self._ranks[0]
+        mark = host.output.mark()
+        started = time.monotonic()
+        host.conn.send(ThreadHostRun(task, deadline, peer_grace, self.spec.world_size))
+        if wait([host.conn], timeout=deadline + _HOST_MARGIN_S):
+            try:
+                run = host.conn.recv()
+            except (EOFError, OSError):
+                run = self._host_died(task, host, started, deadline)
+        else:
+            run = self._host_stuck(task, host, started, deadline)
+        if host.popen.poll() is None:
+            host.output.wait_for_task_end(task.task_id, 2.0)
+        else:
+            host.output.wait_closed(2.0)
+        stray = host.output.text_since(mark)
+        if stray.strip():
+            run.harness_notes.append(f"output of the thread host outside the ranks:\n{stray}")
+        if not run.ok or run.by_outcome(Outcome.HUNG):
+            # A hung rank thread may still be spinning: only a new host is clean.
+            self.kill()
+        return run
+
+    def _host_died(self, task: RankTask, host, started: float, deadline: float) -> RunResult:
+        """Every rank died with the host: blame the rank that exited it, if one did."""
+        crash = self._crash_result(host, started)
+        finished = time.monotonic()
+        exit_note = read_exit_note(note_path(host.stack_path))
+        if exit_note is not None:
+            culprit, status = exit_note
+            results = [
+                replace(
+                    crash,
+                    rank=rank,
+                    note=f"it called os._exit({status}), which ended the thread host process",
+                )
+                if rank == culprit
+                else RankResult(
+                    rank=rank,
+                    outcome=Outcome.ABORTED_BY_PEER,
+                    started_at=started,
+                    finished_at=finished,
+                    note=f"ended with the thread host process when rank {culprit} exited it",
+                )
+                for rank in range(self.spec.world_size)
+            ]
+            return RunResult(results, task.seed, deadline, started, finished)
+        results = [
+            replace(crash, rank=rank, note="the thread host process died")
+            for rank in range(self.spec.world_size)
+        ]
+        run = RunResult(results, task.seed, deadline, started, finished)
+        run.shared_crash = (
+            f"the thread host process {crash.summary()}, ending all {self.spec.world_size} "
+            f"rank threads; which rank caused it is unknown (the ranks share the process; "
+            f"run with --launcher process to see the rank)"
+        )
+        return run
+
+    def _host_stuck(self, task: RankTask, host, started: float, deadline: float) -> RunResult:
+        stacks = self._dump_stacks([host]).get(0)
+        results = [
+            RankResult(
+                rank=rank,
+                outcome=Outcome.HUNG,
+                started_at=started,
+                stacks=stacks,
+                note=f"the thread host did not answer within {deadline + _HOST_MARGIN_S:.1f} s",
+            )
+            for rank in range(self.spec.world_size)
+        ]
+        self.kill()
+        return RunResult(results, task.seed, deadline, started, time.monotonic())
