@@ -79,9 +79,10 @@ def _spelling(option: Option) -> str:
     return f"{names} `{option.metavar}`" if option.metavar else names
 
 
-def _pytest_section(title: str, addoption: Callable[[Any], None]) -> list[str]:
+def _pytest_section(title: str, *addoptions: Callable[[Any], None]) -> list[str]:
     parser = RecordingParser()
-    addoption(parser)
+    for addoption in addoptions:
+        addoption(parser)
     lines: list[str] = []
     for group in parser.groups.values():
         lines += [f"## {title}: {group.description or group.name}", ""]
@@ -96,6 +97,12 @@ def _pytest_section(title: str, addoption: Callable[[Any], None]) -> list[str]:
             lines.append(f"| `{o.names[0]}` | {o.metavar} | {default} | {_escape(o.help)} |")
         lines.append("")
     return lines
+
+
+def _harness_addoptions() -> list[Callable[[Any], None]]:
+    """The harness plugin's own ``pytest_addoption``, then those of the plugin modules it
+    loads, in the order pytest calls them."""
+    return [module.pytest_addoption for module in (harness_plugin, *harness_plugin.PLUGIN_MODULES)]
 
 
 def _argparse_section(command: str, parser: argparse.ArgumentParser) -> list[str]:
@@ -121,7 +128,7 @@ def render() -> str:
         "(each plugin's `pytest_addoption`, each subcommand's parser); do not edit by hand.",
         "",
     ]
-    lines += _pytest_section("pytest", harness_plugin.pytest_addoption)
+    lines += _pytest_section("pytest", *_harness_addoptions())
     lines += _pytest_section("pytest", adopt_options.pytest_addoption)
     lines += _pytest_section("pytest", conformance_plugin.pytest_addoption)
     commands: Iterable[tuple[str, argparse.ArgumentParser]] = (

@@ -1,11 +1,13 @@
-"""pytest plugin: options, markers, the world-size parametrization and the fixtures.
+"""pytest plugin: markers, the world-size parametrization, the fixtures and the session's set-up.
 
-Registered through the ``pytest11`` entry point ``distconform``. This module only holds
-options, markers, the world-size parametrization and the fixtures; at configure time it
-registers the plugins that do the work: :mod:`harness.controller.item_runner` (its hooks
-run a marked test on its ranks) and :mod:`harness.controller.summary_table` (the end-of-run
-table). The session's state lives in :mod:`harness.controller.session`. Nothing below
-imports this module.
+Registered through the ``pytest11`` entry point ``distconform``. It registers the harness's other
+plugin modules (:data:`PLUGIN_MODULES`), each of which registers its own options:
+:mod:`harness.controller.run_options` (the run's settings), :mod:`harness.controller.deadline`
+(``--dist-deadline``) and :mod:`harness.controller.summary_table` (``--dist-summary``). Its
+own option is ``--backend-plugin``, which it activates first at configure time; it then
+builds the run's settings and registers :mod:`harness.controller.item_runner`, whose hooks
+run a marked test on its ranks. The session's state lives in
+:mod:`harness.controller.session`. Nothing below imports this module.
 """
 
 from __future__ import annotations
@@ -14,20 +16,10 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from harness.controller import hookspecs, item_runner, summary_table
-from harness.controller.config import (
-    ConfigError,
-    DistSettings,
-    check_device_type,
-    device_placement_line,
-    parse_memory_limit,
-    parse_world_sizes,
-)
-from harness.controller.deadline import configured_deadline
+from harness.controller import deadline, hookspecs, item_runner, run_options, summary_table
+from harness.controller.config import ConfigError, device_placement_line
 from harness.controller.external.rank import ExternalRank
 from harness.controller.external.report import divert_unless_rank_0
-from harness.controller.launcher_registry import BUILT_IN as BUILT_IN_LAUNCHERS
-from harness.controller.launcher_registry import DEFAULT as DEFAULT_LAUNCHER
 from harness.controller.launcher_registry import launcher_named
 from harness.controller.markers import check_markers, slow_world_sizes_of, world_sizes_of
 from harness.controller.session import (
@@ -35,6 +27,7 @@ from harness.controller.session import (
     SETTINGS_KEY,
     WORLD_SIZE_PARAM,
     external_world,
+    option_group,
     requested_launcher,
     world_size_of,
 )
@@ -44,6 +37,9 @@ from harness.shared.rank_context import RankContextPlaceholder
 
 if TYPE_CHECKING:
     from harness.controller.external.world import ExternalWorld
+
+#: The harness's plugin modules registered with this one; each registers its own options.
+PLUGIN_MODULES = (run_options, deadline, summary_table)
 
 # Here, before the conformance plugin (loaded after this one) imports impl and suites: a
 # vendor's package of the same name earlier on sys.path would fail there with an import
@@ -74,91 +70,7 @@ _MARKERS = (
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
-    group = parser.getgroup("distconform", "distributed tests on N ranks (distconform)")
-    group.addoption(
-        "--launcher",
-        default=None,
-        help=f"how ranks are started: {', '.join(BUILT_IN_LAUNCHERS)}, or a launcher another "
-        f"package registers (default: {DEFAULT_LAUNCHER})",
-    )
-    group.addoption(
-        "--backend",
-        default=None,
-        help="process-group backend (default: the device's default, gloo on CPU; "
-        "'threaded' with --launcher thread)",
-    )
-    group.addoption("--device", default=None, help="device type of the ranks (default: cpu)")
-    group.addoption(
-        "--world-sizes",
-        default=None,
-        metavar="N[,N...]",
-        help="run only these world sizes of tests marked world_size",
-    )
-    group.addoption(
-        "--dist-seed",
-        type=int,
-        default=0,
-        help="seed applied identically on every rank before each test (printed in failures)",
-    )
-    group.addoption(
-        "--dist-deadline",
-        default=None,
-        metavar="SECONDS",
-        help="per-test deadline owned by the harness (default: ini dist_deadline or 300)",
-    )
-    group.addoption(
-        "--dist-threads",
-        type=int,
-        default=None,
-        metavar="N",
-        help="torch threads per rank (default: cores // world size, at least 1)",
-    )
-    group.addoption(
-        "--dist-fresh-pool",
-        action="store_true",
-        default=False,
-        help="start a new pool of ranks for every distributed test",
-    )
-    group.addoption(
-        "--dist-peer-grace",
-        type=float,
-        default=2.0,
-        metavar="SECONDS",
-        help="how long other ranks may keep running after one rank failed",
-    )
-    group.addoption(
-        "--dist-rendezvous",
-        default="file",
-        choices=("file", "tcp"),
-        help="FileStore in a private temp dir, or a TCPStore on 127.0.0.1 (default: file)",
-    )
-    group.addoption(
-        "--dist-memory-limit",
-        default=None,
-        metavar="SIZE",
-        help="default per-rank memory limit for distributed tests, e.g. 2GiB (process ranks)",
-    )
-    group.addoption(
-        "--dist-device-audit",
-        action="store_true",
-        default=False,
-        help="fail every distributed test whose body creates a tensor without a device "
-        "(default: ini dist_device_audit, off; marker device_audit for one test)",
-    )
-    group.addoption(
-        "--dist-share-devices",
-        action="store_true",
-        default=False,
-        help="with fewer devices than ranks, place the ranks round-robin on the devices there "
-        "are, where the backend can share one (staged_gloo, gloo; not nccl) (default: ini "
-        "dist_share_devices, off: one device per rank)",
-    )
-    group.addoption(
-        "--dist-summary",
-        action="store_true",
-        default=False,
-        help="print a per-rank outcome table of every distributed test at the end",
-    )
+    group = option_group(parser)
     group.addoption(
         "--backend-plugin",
         action="append",
@@ -167,25 +79,14 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="import MODULE in pytest and in every rank before the process group starts "
         "(a vendor's Backend.register_backend); repeatable",
     )
-    parser.addini("dist_deadline", "default per-test deadline in seconds", default="")
-    parser.addini("dist_launcher", "default launcher", default=DEFAULT_LAUNCHER)
-    parser.addini(
-        "dist_share_devices",
-        "place ranks round-robin on fewer devices than ranks (see --dist-share-devices)",
-        type="bool",
-        default=False,
-    )
-    parser.addini(
-        "dist_device_audit",
-        "fail distributed tests whose body creates a tensor without a device",
-        type="bool",
-        default=False,
-    )
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_addhooks(pluginmanager: pytest.PytestPluginManager) -> None:
     pluginmanager.add_hookspecs(hookspecs)
+    for module in PLUGIN_MODULES:
+        if not pluginmanager.is_registered(module):
+            pluginmanager.register(module, module.__name__)
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -221,9 +122,9 @@ def pytest_configure(config: pytest.Config) -> None:
         )
     except backend_plugins.BackendPluginError as exc:
         raise pytest.UsageError(f"distconform: {exc}") from None
-    item_runner.prestart_if_expected(config)  # before _settings_from imports torch
+    item_runner.prestart_if_expected(config)  # before settings_from imports torch
     try:
-        settings = _settings_from(config)
+        settings = run_options.settings_from(config)
     except ConfigError as exc:
         raise pytest.UsageError(f"distconform: {exc}") from None
     config.stash[SETTINGS_KEY] = settings
@@ -231,36 +132,6 @@ def pytest_configure(config: pytest.Config) -> None:
         item_runner.configure(config, settings)
     except ConfigError as exc:
         raise pytest.UsageError(f"distconform: {exc}") from None
-    summary_table.configure(config)
-
-
-def _settings_from(config: pytest.Config) -> DistSettings:
-    launcher = launcher_named(requested_launcher(config))
-    device_type = check_device_type(config.getoption("device") or "cpu")
-    backend = launcher.backend_for(config.getoption("backend"), device_type)
-    threads = config.getoption("dist_threads")
-    if threads is not None and threads < 1:
-        raise ConfigError(f"--dist-threads must be at least 1, got {threads}")
-    grace = config.getoption("dist_peer_grace")
-    if grace < 0:
-        raise ConfigError(f"--dist-peer-grace must not be negative, got {grace}")
-    return DistSettings(
-        launcher=launcher.name,
-        backend=backend,
-        device_type=device_type,
-        seed=config.getoption("dist_seed"),
-        deadline=configured_deadline(config),
-        threads_per_rank=threads,
-        world_sizes=parse_world_sizes(config.getoption("world_sizes")),
-        fresh_pool=config.getoption("dist_fresh_pool"),
-        peer_grace=grace,
-        rendezvous=config.getoption("dist_rendezvous"),
-        memory_limit=parse_memory_limit(
-            config.getoption("dist_memory_limit"), "--dist-memory-limit"
-        ),
-        device_audit=config.getoption("dist_device_audit") or config.getini("dist_device_audit"),
-        share_devices=config.getoption("dist_share_devices") or config.getini("dist_share_devices"),
-    )
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:

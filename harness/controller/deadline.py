@@ -15,6 +15,18 @@ import pytest
 
 from harness.controller.config import DEFAULT_DEADLINE_S, ConfigError
 from harness.controller.markers import deadline_of
+from harness.controller.session import option_group
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = option_group(parser)
+    group.addoption(
+        "--dist-deadline",
+        default=None,
+        metavar="SECONDS",
+        help="per-test deadline owned by the harness (default: ini dist_deadline or 300)",
+    )
+    parser.addini("dist_deadline", "default per-test deadline in seconds", default="")
 
 
 def pg_timeout_for(deadline: float) -> float:

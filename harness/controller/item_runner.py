@@ -26,7 +26,7 @@ from harness.controller.item_settings import (
     ITEM_SETTINGS_KEY,
     STARTED_KEY,
     ItemSettings,
-    item_settings,
+    resolve_item_settings,
 )
 from harness.controller.launcher_registry import launcher_named
 from harness.controller.process.spawning import close_shared_zygote, shared_zygote
@@ -138,18 +138,14 @@ def pytest_itemcollected(item: pytest.Item) -> None:
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_protocol(item: pytest.Item) -> None:
     item.stash[STARTED_KEY] = time.monotonic()
-    # A retried item (pytest-rerunfailures) resolves its settings afresh.
-    if ITEM_SETTINGS_KEY in item.stash:
-        del item.stash[ITEM_SETTINGS_KEY]
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
     """Resolve a distributed item's settings, and skip it before any rank exists when this
     machine cannot run it."""
-    if world_size_of(item) is not None:
-        reason = item_settings(item).skip_reason
-        if reason is not None:
-            pytest.skip(reason)
+    settings = resolve_item_settings(item)
+    if settings is not None and settings.skip_reason is not None:
+        pytest.skip(settings.skip_reason)
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -195,7 +191,7 @@ def run_item_body(
 ) -> RunResult:
     """Run ``fn(*args, **kwargs)`` on the item's ranks and turn the result into pytest's
     verdict: return when every rank passed, raise skip, xfail or a DistributedFailure."""
-    settings = item_settings(item)
+    settings = item.stash[ITEM_SETTINGS_KEY]
     try:
         task = build_task(
             fn,
@@ -260,7 +256,7 @@ def _conclude(item: pytest.Item, settings: ItemSettings, run: RunResult) -> None
             pytest.xfail(_joined_reasons(run, Outcome.XFAILED))
         return
     item.user_properties.append((REPRODUCE_PROPERTY, settings.reproduce))
-    raise DistributedFailure(run, context=settings.context(run.seed), reproducer=settings.reproduce)
+    raise DistributedFailure(run, context=settings.failure_context, reproducer=settings.reproduce)
 
 
 def _joined_reasons(run: RunResult, outcome: Outcome) -> str:

@@ -66,30 +66,32 @@ class ItemSettings:
     world: ExternalWorld | None
     pool: PoolKey | None
     fresh: bool
+    #: A failure report's first line: the run's placement, stack and seed.
+    failure_context: str
     reproduce: str
     #: Why this machine cannot run the item; it is skipped before any rank exists.
     skip_reason: str | None
 
-    def context(self, seed: int) -> str:
-        """The run's placement and stack, as a failure report's first line names them."""
-        run = self.run
-        return (
-            f"{run.placement(self.world_size)}, "
-            f"{run.launcher}/{run.backend}/{run.device_type}, seed {seed}"
-        )
 
-
-def item_settings(item: pytest.Item) -> ItemSettings:
-    """The item's settings, resolved at its first call (its setup) and kept on the item."""
-    settings = item.stash.get(ITEM_SETTINGS_KEY, None)
-    if settings is None:
-        settings = item.stash[ITEM_SETTINGS_KEY] = _resolve(item)
+def resolve_item_settings(item: pytest.Item) -> ItemSettings | None:
+    """Resolve a distributed item's settings at its setup and keep them on the item, where
+    every later step reads them (``item.stash[ITEM_SETTINGS_KEY]``); None for any other item."""
+    settings = _resolve(item)
+    if settings is not None:
+        item.stash[ITEM_SETTINGS_KEY] = settings
     return settings
 
 
-def _resolve(item: pytest.Item) -> ItemSettings:
+def _resolve(item: pytest.Item) -> ItemSettings | None:
+    # What the session holds first, then what the item's own markers say, then the pieces
+    # other modules build from both.
     config = item.config
+    world_size = world_size_of(item)
+    if world_size is None:
+        return None
     run = settings_of(config)
+    world = external_world(config)
+    assertions = None if world is not None else assertion_settings_of(config)
     choice = config.hook.pytest_distconform_pool_choice(item=item) or PoolChoice()
     if choice.launcher or choice.backend:
         # The item's own launcher and backend: its report and reproduce command name them.
@@ -97,9 +99,10 @@ def _resolve(item: pytest.Item) -> ItemSettings:
             run, launcher=choice.launcher or run.launcher, backend=choice.backend or run.backend
         )
     launcher = launcher_named(run.launcher)
-    world_size = world_size_of(item)
-    world = external_world(config)
     memory_limit = _memory_limit(item, run)
+    device_audit = _device_audit(item, run)
+    reproduce = _reproducer(item, run, launcher, world, world_size)
+    skip_reason = _cannot_run(item, run, launcher, world_size, memory_limit)
     return ItemSettings(
         world_size=world_size,
         run=run,
@@ -107,10 +110,10 @@ def _resolve(item: pytest.Item) -> ItemSettings:
         deadline=deadline_for(item, run.deadline),
         outer_limit=outer_limit_for(item, item.stash.get(STARTED_KEY, time.monotonic())),
         memory_limit=memory_limit,
-        device_audit=_device_audit(item, run),
+        device_audit=device_audit,
         # Ranks that share one warnings state (threads) capture nothing.
         warning_filters=filters_from_config(config) if launcher.isolates_warnings else (),
-        assertions=None if world is not None else assertion_settings_of(config),
+        assertions=assertions,
         world=world,
         pool=None
         if world is not None
@@ -124,8 +127,12 @@ def _resolve(item: pytest.Item) -> ItemSettings:
             share_devices=run.share_devices,
         ),
         fresh=choice.fresh or run.fresh_pool or item.get_closest_marker("fresh_pool") is not None,
-        reproduce=_reproducer(item, run, launcher, world, world_size),
-        skip_reason=_cannot_run(item, run, launcher, world_size, memory_limit),
+        failure_context=(
+            f"{run.placement(world_size)}, "
+            f"{run.launcher}/{run.backend}/{run.device_type}, seed {run.seed}"
+        ),
+        reproduce=reproduce,
+        skip_reason=skip_reason,
     )
 
 

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import pytest
 
+from harness.controller.session import option_group
 from harness.shared.outcomes import RunResult
 
 _ROWS_KEY = pytest.StashKey[list["SummaryRow"]]()
@@ -20,7 +21,17 @@ class SummaryRow:
     rank_outcomes: tuple[str, ...]
 
 
-def configure(config: pytest.Config) -> None:
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = option_group(parser)
+    group.addoption(
+        "--dist-summary",
+        action="store_true",
+        default=False,
+        help="print a per-rank outcome table of every distributed test at the end",
+    )
+
+
+def pytest_configure(config: pytest.Config) -> None:
     config.stash[_ROWS_KEY] = []
     config.stash[_RERUNS_KEY] = []
     config.pluginmanager.register(_RerunReporter(config), "distconform-reruns")
