@@ -106,7 +106,6 @@ def pytest_args(argv: list[str]) -> list[str]:
     for module in options.backend_plugin:
         args += ["--backend-plugin", module]
     args += ["--conformance-out", options.out]
-    args += ["--junitxml", str(Path(options.out) / "conformance.junit.xml")]
     # The selection is spelled out, never left to an ini file: installed, distconform's
     # pyproject.toml (whose addopts hold -m "not slow") is not there.
     args += ["-m", "not slow" if options.quick else "slow or not slow"]

@@ -28,6 +28,8 @@ from conformance import hookspecs
 from conformance import report as conformance_report
 from conformance.expectations import Entry, Expectations, ExpectationsError, combine, load
 from conformance.progress import RunTracker
+from conformance.renderers import FILE_FORMATS, junit, terminal
+from conformance.renderers.format import write_files
 from conformance.report import writable_directory
 from conformance.tolerance import Tolerance
 from harness.controller.session import (
@@ -51,7 +53,7 @@ PLUGIN_NAME = "distconform-conformance-report"
 # The harness plugin as pytest names it: its pytest11 entry point (pyproject.toml) when
 # installed, its module when a plain copy of the tree names it with ``-p``.
 HARNESS_PLUGIN_NAMES = ("distconform", "harness.plugin")
-JUNIT_NAME = "conformance.junit.xml"
+_FILE_NAMES = [fmt.file_name for fmt in FILE_FORMATS if fmt.file_name]
 TOLERANCE_KEY = pytest.StashKey[Tolerance]()
 DECLARATION_KEY = pytest.StashKey[BackendDeclaration]()
 SUITES_DIR = Path(suites.__file__).resolve().parent
@@ -80,8 +82,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "--conformance-out",
         default=None,
         metavar="DIR",
-        help="write the conformance report to DIR (conformance.json, conformance.md, "
-        f"conformance.html, {JUNIT_NAME}) and print its table",
+        help=f"write the conformance report to DIR ({', '.join(_FILE_NAMES)}) and print its table",
     )
     group.addoption(
         "--conformance-table",
@@ -113,14 +114,6 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="what the backend under test supports, for the backend suite (TOML; default: "
         "suites/backend/declarations/<backend>.toml; none: every capability is held)",
     )
-
-
-@pytest.hookimpl(tryfirst=True)
-def pytest_cmdline_main(config: pytest.Config) -> None:
-    """With --conformance-out and no --junitxml, let pytest write the JUnit file there."""
-    out = config.getoption("conformance_out", None)
-    if out and not getattr(config.option, "xmlpath", None):
-        config.option.xmlpath = str(Path(out) / JUNIT_NAME)
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -437,11 +430,13 @@ class ConformancePlugin:
         environment = conformance_report.environment_of(
             self.config, self.spec, self.expectations, declaration
         )
+        if self.out_dir is not None:
+            environment["junit_xml"] = str(self.out_dir / junit.FORMAT.file_name)
         return self.recorder.build(environment, self.stale, self.profiles, run)
 
     def _write(self, report: conformance_report.ConformanceReport) -> None:
         assert self.out_dir is not None
-        report.write(self.out_dir, junit_path=getattr(self.config.option, "xmlpath", None))
+        write_files(report, self.out_dir, FILE_FORMATS)
 
     def _show_progress(self) -> None:
         terminal = self.config.pluginmanager.get_plugin("terminalreporter")
@@ -453,7 +448,7 @@ class ConformancePlugin:
         if self.report is None:
             return
         terminalreporter.write_sep("=", "conformance")
-        for line in self.report.terminal_lines():
+        for line in terminal.FORMAT.render(self.report).splitlines():
             terminalreporter.write_line(line)
         if self.out_dir is not None:
             terminalreporter.write_line(

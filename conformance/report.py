@@ -26,7 +26,6 @@ verdicts (:mod:`conformance.verdict`): the run's, then each profile's.
 from __future__ import annotations
 
 import datetime
-import json
 import os
 import platform
 import re
@@ -41,8 +40,6 @@ from typing import Any
 import pytest
 
 from conformance.expectations import Entry, Expectations
-from conformance.pages.run import render_run
-from conformance.saved import run_from_json
 from conformance.statuses import (
     APPLIED_STATUSES,
     PASS_RATE_DEFINITION,
@@ -461,38 +458,6 @@ class ConformanceReport:
         )
         return run, profiles
 
-    def verdict_lines(self, *, markdown: bool = False) -> list[str]:
-        """The run's verdict, then each profile's and each suite module not run; empty when
-        there is neither a profile nor a module not run (a project's own tests)."""
-        run, profiles = self.verdicts()
-        if not profiles and not self.not_run():
-            return []
-        bullet = "- " if markdown else "  "
-        gap = [""] if markdown else []
-        return [
-            run.line(markdown=markdown),
-            *gap,
-            *(f"{bullet}{verdict.line(markdown=markdown)}" for verdict in profiles),
-            *(f"{bullet}NOT RUN {r.nodeid}: {r.reason}" for r in self.not_run()),
-        ]
-
-    def headline_lines(self, *, markdown: bool = False) -> list[str]:
-        """The verdicts, then one line of figures per profile; empty without profiles."""
-        results = self.profile_results()
-        if not results:
-            return self.verdict_lines(markdown=markdown)
-        # Markdown needs blank lines between paragraphs and before a list.
-        gap = [""] if markdown else []
-        bullet = "- " if markdown else "  "
-        return [
-            *self.verdict_lines(markdown=markdown),
-            "",
-            "profiles (cases applied of those collected from the case table; pass rate over "
-            "the applied ones):",
-            *gap,
-            *(f"{bullet}{result.line(markdown=markdown)}" for result in results),
-        ]
-
     def counts(self) -> Counter:
         return Counter(result.status for result in self.tests)
 
@@ -547,175 +512,6 @@ class ConformanceReport:
             ],
         }
 
-    # --- Markdown ------------------------------------------------------------------------
-
-    def table_lines(self) -> list[str]:
-        header = ["feature", "ws", *STATUSES, "conformance"]
-        body = []
-        for feature, ws, row in self.rows():
-            body.append(
-                [
-                    feature,
-                    "-" if ws is None else str(ws),
-                    *(str(row[s]) for s in STATUSES),
-                    percent_text(conformance_percent(row)),
-                ]
-            )
-        total = self.counts()
-        body.append(
-            ["**total**", "", *(str(total[s]) for s in STATUSES), percent_text(self.percent())]
-        )
-        widths = [max(len(r[i]) for r in [header, *body]) for i in range(len(header))]
-
-        def line(cells: list[str]) -> str:
-            padded = [
-                cell.ljust(widths[i]) if i < 2 else cell.rjust(widths[i])
-                for i, cell in enumerate(cells)
-            ]
-            return "| " + " | ".join(padded) + " |"
-
-        rule = (
-            "|"
-            + "|".join("-" * (w + 1) + ("-" if i < 2 else ":") for i, w in enumerate(widths))
-            + "|"
-        )
-        return [line(header), rule, *(line(cells) for cells in body)]
-
-    def header_lines(self) -> list[str]:
-        env = self.environment
-        subjects = self.subjects() or [IMPLEMENTATION]
-        lines = []
-        if IMPLEMENTATION in subjects:
-            impl = env.get("implementation", {})
-            capabilities = ", ".join(impl.get("capabilities", [])) or "none declared"
-            lines.append(
-                f"implementation: {impl.get('name', '?')} (spec {impl.get('spec', '?')}); "
-                f"capabilities: {capabilities}"
-            )
-        if BACKEND in subjects:
-            backend = env.get("backend_declaration", {})
-            declared_in = backend.get("declaration") or "no declaration: every capability held"
-            not_declared = ", ".join(backend.get("not_declared", {})) or "none"
-            lines.append(
-                f"backend under test: {backend.get('name', '?')} ({declared_in}); "
-                f"{len(backend.get('capabilities', []))} capabilities declared; not declared: "
-                f"{not_declared}"
-            )
-        sizes = env.get("world_sizes") or "all"
-        return [
-            *lines,
-            f"torch {env.get('torch_version')}, launcher {env.get('launcher')}, backend "
-            f"{env.get('backend')}, device {env.get('device')}, world sizes {sizes}, "
-            f"seed {env.get('seed')}, {env.get('date')}",
-            f"expectations: {env.get('expectations') or 'none'}"
-            + (
-                f"; backend plug-ins: {', '.join(env['backend_plugins'])}"
-                if env.get("backend_plugins")
-                else ""
-            ),
-        ]
-
-    def title(self) -> str:
-        names = []
-        for subject in self.subjects() or [IMPLEMENTATION]:
-            name = self.subject_record(subject).get("name")
-            names.append(f"backend {name}" if subject == BACKEND else str(name))
-        return " and ".join(names)
-
-    def not_declared_lines(self) -> list[str]:
-        """The backend's reasons for each capability it leaves out (Markdown bullets)."""
-        if BACKEND not in self.subjects():
-            return []
-        reasons = self.subject_record(BACKEND).get("not_declared") or {}
-        if not reasons:
-            return []
-        return [
-            "",
-            "Not declared by the backend:",
-            "",
-            *(f"- `{cap}`: {why}" for cap, why in reasons.items()),
-        ]
-
-    def notable_lines(self) -> list[str]:
-        lines: list[str] = []
-        for status, label in (
-            ("FAIL", "failed"),
-            ("XPASS", "passed although expected to fail (update the expectations file)"),
-            ("XFAIL", "expected failures"),
-        ):
-            found = [r for r in self.tests if r.status == status]
-            if not found:
-                continue
-            # A blank line first: CommonMark would continue the previous bullet list.
-            lines += ["", f"{status} — {label}:"]
-            for r in found:
-                extra = f" [{r.category}]" if r.category else ""
-                what = r.message or r.reason
-                lines.append(f"- `{r.nodeid}`{extra}: {what}"[:400])
-        unsupported = Counter(r.reason for r in self.tests if r.status == "UNSUPPORTED")
-        if unsupported:
-            lines += ["", "UNSUPPORTED:"]
-            lines += [f"- {n} x {reason}" for reason, n in unsupported.most_common()]
-        if self.stale:
-            lines.append("")
-        for entry in self.stale:
-            lines.append(f"stale expectation: {entry.describe()}")
-        return lines[1:] if lines[:1] == [""] else lines
-
-    def to_markdown(self) -> str:
-        percent = percent_text(self.percent())
-        headline = self.headline_lines(markdown=True)
-        incomplete = self.incomplete_line()
-        lines = [
-            f"# Conformance report: {self.title()}",
-            "",
-            *([f"**{incomplete}**", ""] if incomplete else []),
-            # "Run:" keeps the run's bullets from joining the profiles' list.
-            *([*headline, "", "Run:", ""] if headline else []),
-            *(f"- {line}" for line in self.header_lines()),
-            f"- conformance: **{percent}** = {PASS_RATE_DEFINITION}",
-            "",
-            *self.table_lines(),
-            "",
-            *self.notable_lines(),
-            *self.not_declared_lines(),
-        ]
-        return "\n".join(lines).rstrip() + "\n"
-
-    def terminal_lines(self) -> list[str]:
-        notable = self.notable_lines()
-        headline = self.headline_lines()
-        verdict, profiles = self.verdicts()
-        return [
-            *([*headline, ""] if headline else []),
-            *self.header_lines(),
-            "",
-            *self.table_lines(),
-            *(["", *notable] if notable else []),
-            "",
-            # The last line is the one people quote: the verdict first, the rate after it.
-            (f"{verdict.line()}; " if profiles or self.not_run() else "")
-            + f"conformance {percent_text(self.percent())} ({PASS_RATE_DEFINITION})",
-            *([incomplete] if (incomplete := self.incomplete_line()) else []),
-        ]
-
-    def write(self, out_dir: Path, junit_path: str | None = None) -> None:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        data = self.to_json()
-        data["environment"]["junit_xml"] = junit_path
-        json_file = out_dir / "conformance.json"
-        _replace_file(json_file, json.dumps(data, indent=2) + "\n")
-        _replace_file(out_dir / "conformance.md", self.to_markdown())
-        _replace_file(out_dir / "conformance.html", render_run(run_from_json(data, json_file)))
-
-
-def _replace_file(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` whole or not at all: the report is rewritten during the
-    run, and a run killed mid-write must leave the previous version, not half a file."""
-    partial = path.with_name(f".{path.name}.partial")
-    partial.write_text(text)
-    os.replace(partial, path)
-
 
 def writable_directory(path: Path, option: str) -> Path:
     """Create ``path`` and prove a file can be written there, before the run, not after."""
@@ -762,6 +558,8 @@ def environment_of(
         "backend_plugins": plugins,
         "expectations": ", ".join(str(path) for path in expectations.sources) or None,
         "command": [sys.executable, "-m", "pytest", *config.invocation_params.args],
+        # Set by the plugin to the JUnit file it writes beside the report (--conformance-out).
+        "junit_xml": None,
     }
 
 

@@ -1,6 +1,6 @@
 """Checks every conformance report in the tests passes: its JSON against the shipped JSON
-Schema, its Markdown through a CommonMark renderer and its HTML page through an HTML parser
-(the structure a reader sees)."""
+Schema, its Markdown through a CommonMark renderer, its HTML page through an HTML parser
+(the structure a reader sees) and its JUnit XML against the JSON's statuses."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from functools import cache
 from html.parser import HTMLParser
 from pathlib import Path
 from typing import Any
+from xml.etree import ElementTree
 
 import jsonschema
 from markdown_it import MarkdownIt
@@ -116,4 +117,41 @@ def check_report_dir(out: Path) -> dict[str, Any]:
     check_json(report)
     check_markdown((out / "conformance.md").read_text())
     check_html((out / "conformance.html").read_text(), report)
+    check_junit((out / "conformance.junit.xml").read_text(), report)
     return report
+
+
+#: The JUnit element each status must give (None: a testcase with no result element).
+_JUNIT_ELEMENT = {
+    "PASS": None,
+    "XPASS": None,
+    "FAIL": "failure",
+    "XFAIL": "skipped",
+    "UNSUPPORTED": "skipped",
+    "SKIP": "skipped",
+}
+
+
+def check_junit(text: str, report: dict[str, Any]) -> None:
+    """One testcase per test of the JSON, in its order, with its status and the element
+    that status gives; the suite's counts add up."""
+    (suite,) = ElementTree.fromstring(text).iter("testsuite")
+    cases = list(suite.iter("testcase"))
+    assert len(cases) == len(report["tests"]) == int(suite.get("tests"))
+    for case, test in zip(cases, report["tests"], strict=True):
+        properties = {p.get("name"): p.get("value") for p in case.iter("property")}
+        assert properties["status"] == test["status"], test["nodeid"]
+        name = case.get("name")
+        assert test["nodeid"].endswith(name), (test["nodeid"], name)
+        results = [child.tag for child in case if child.tag != "properties"]
+        expected = _JUNIT_ELEMENT[test["status"]]
+        if expected == "failure" and test["when"] != "call":
+            expected = "error"
+        assert results == ([expected] if expected else []), (test["nodeid"], results)
+    statuses = Counter(test["status"] for test in report["tests"])
+    failed = sum(1 for case in cases if case.find("failure") is not None)
+    errors = sum(1 for case in cases if case.find("error") is not None)
+    assert failed + errors == statuses["FAIL"]
+    assert (int(suite.get("failures")), int(suite.get("errors"))) == (failed, errors)
+    skipped = statuses["XFAIL"] + statuses["UNSUPPORTED"] + statuses["SKIP"]
+    assert int(suite.get("skipped")) == skipped

@@ -10,6 +10,7 @@ import textwrap
 
 import pytest
 
+from conformance.renderers import markdown, terminal, text
 from conformance.report import (
     CAPABILITIES_PROPERTY,
     CASE_PROPERTY,
@@ -197,7 +198,7 @@ def test_a_missing_core_capability_withholds_the_percentage_and_is_named():
                     ("x.py", 3, "Skipped: UNSUPPORTED: needs capability prefetch")),
         declared=sorted(set(ALL_CAPABILITIES) - {"prefetch"}),
     )  # fmt: skip
-    lines = built.terminal_lines()
+    lines = terminal.lines(built)
     assert lines[:2] == [
         "verdict: NOT CONFORMANT (to fsdp2-core)",
         "  fsdp2-core: NOT CONFORMANT (does not declare prefetch)",
@@ -215,9 +216,9 @@ def test_a_missing_core_capability_withholds_the_percentage_and_is_named():
         ["prefetch"],
     )
     assert (core["cases"], core["applied"], core["pass_percent"]) == (3, 2, None)
-    check_markdown(built.to_markdown())
-    markdown = built.to_markdown().splitlines()
-    assert markdown[2:5] == [
+    check_markdown(markdown.render(built))
+    page = markdown.render(built).splitlines()
+    assert page[2:5] == [
         "verdict: **NOT CONFORMANT** (to fsdp2-core)",
         "",
         "- fsdp2-core: **NOT CONFORMANT** (does not declare prefetch)",
@@ -241,7 +242,7 @@ def test_extensions_get_their_own_line_with_grouped_unsupported_cases():
         case_report("a::both", "skipped", "cpu_offload,hsdp", unsupported),
         declared=sorted(CORE_CAPABILITIES),
     )
-    headline = built.headline_lines()
+    headline = text.headline_lines(built)
     assert headline == [
         "verdict: NOT CONFORMANT (to fsdp2-core)",
         "  fsdp2-core: NOT CONFORMANT (1 of 2 cases fail)",
@@ -256,7 +257,7 @@ def test_extensions_get_their_own_line_with_grouped_unsupported_cases():
         "  hsdp (extension): 1 of 5 cases applied, pass rate 100.0 %; UNSUPPORTED: 3 cases "
         "need hsdp, 1 case needs cpu_offload + hsdp",
     ]
-    assert built.terminal_lines()[: len(headline)] == headline
+    assert terminal.lines(built)[: len(headline)] == headline
     hsdp = built.to_json()["profiles"][2]
     assert hsdp["unsupported"] == [
         {"needs": ["hsdp"], "cases": 3, "tests": ["a::hsdp0", "a::hsdp1", "a::hsdp2"]},
@@ -280,18 +281,18 @@ def old_style_report() -> ConformanceReport:
 
 def test_without_profiles_the_output_is_the_old_one():
     built = old_style_report()
-    assert built.headline_lines() == []
-    assert built.terminal_lines()[0].startswith("implementation: acme")
-    assert built.terminal_lines()[-1] == (
+    assert text.headline_lines(built) == []
+    assert terminal.lines(built)[0].startswith("implementation: acme")
+    assert terminal.lines(built)[-1] == (
         "conformance 100.0 % ((PASS + XPASS) / (PASS + XPASS + FAIL + XFAIL))"
     )
-    markdown = built.to_markdown()
-    assert markdown.startswith("# Conformance report: acme\n\n- implementation: acme")
-    assert "profiles" not in markdown and "Run:" not in markdown
+    page = markdown.render(built)
+    assert page.startswith("# Conformance report: acme\n\n- implementation: acme")
+    assert "profiles" not in page and "Run:" not in page
     assert built.to_json()["profiles"] == []
     # Profiles known, but no test of the run tied to a case: no headline either.
     with_profiles = build(report("a::ok", "call", "passed"))
-    assert with_profiles.headline_lines() == [] and with_profiles.to_json()["profiles"] == []
+    assert text.headline_lines(with_profiles) == [] and with_profiles.to_json()["profiles"] == []
 
 
 def test_markdown_headings_after_a_list_start_a_new_block():
@@ -301,10 +302,10 @@ def test_markdown_headings_after_a_list_start_a_new_block():
         profiles=(),
     )
     # Rendered, each section heading is its own paragraph, not the tail of the list above.
-    check_markdown(built.to_markdown())
+    check_markdown(markdown.render(built))
     incomplete = build(report("a::bad", "call", "failed", "boom"), profiles=())
     incomplete.run = RunState(exit_status="INTERRUPTED", stopped_because="interrupted")
-    check_markdown(incomplete.to_markdown())
+    check_markdown(markdown.render(incomplete))
 
 
 # --- the hook, through the plugin ------------------------------------------------------------
@@ -388,15 +389,16 @@ def test_each_subject_counts_in_its_own_profiles_with_its_own_declaration():
     assert [t.nodeid for t in results["reduce_op.avg"].tests] == ["b::avg"]
     assert not results["fsdp2-core"].withheld  # the implementation declares its core
     assert results["c10d-core"].missing_capabilities == ["dtype.float32"]
-    assert built.verdict_lines() == [
+    assert text.verdict_lines(built) == [
         "verdict: NOT CONFORMANT (to c10d-core)",
         "  fsdp2-core: CONFORMANT",
         "  c10d-core: NOT CONFORMANT (1 of 2 cases fail)",
         "  reduce_op.avg: CONFORMANT",
     ]
-    assert built.title() == "acme and backend vendorlink"
-    assert "- `dtype.float32`: why" in built.to_markdown()
-    assert any(line.startswith("backend under test: vendorlink") for line in built.header_lines())
+    assert text.title(built) == "acme and backend vendorlink"
+    assert "- `dtype.float32`: why" in markdown.render(built)
+    header = text.header_lines(built)
+    assert any(line.startswith("backend under test: vendorlink") for line in header)
 
 
 def test_a_backend_only_run_shows_no_implementation():
@@ -408,5 +410,5 @@ def test_a_backend_only_run_shows_no_implementation():
     }
     built = recorder.build(environment, [], [CORE, BACKEND_CORE])
     assert [r.profile.name for r in built.profile_results()] == ["c10d-core"]
-    assert built.title() == "backend gloo"
-    assert not any(line.startswith("implementation:") for line in built.header_lines())
+    assert text.title(built) == "backend gloo"
+    assert not any(line.startswith("implementation:") for line in text.header_lines(built))

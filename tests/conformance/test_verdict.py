@@ -18,6 +18,8 @@ import sys
 import pytest
 
 from conformance.pages.run import render_run
+from conformance.renderers import FILE_FORMATS, terminal
+from conformance.renderers.format import write_files
 from conformance.saved import run_from_json
 from conformance.verdict import (
     CONFORMANT,
@@ -113,8 +115,9 @@ def written(built, out):
         "backend_declaration": None, "launcher": "process", "backend": "gloo",
         "device": "cpu", "world_sizes": [2], "seed": 0, "date": "2026-11-26T00:00:00Z",
         "backend_plugins": [], "expectations": None, "command": ["pytest"],
+        "junit_xml": None,
     }  # fmt: skip
-    built.write(out)
+    write_files(built, out, FILE_FORMATS)
     return check_report_dir(out)
 
 
@@ -133,8 +136,8 @@ def test_a_failing_core_case_is_not_conformant_in_terminal_markdown_page_and_jso
     )
     data = written(built, tmp_path)
     expected = "verdict: NOT CONFORMANT (to fsdp2-core)"
-    assert built.terminal_lines()[0] == expected
-    assert built.terminal_lines()[-1].startswith(f"{expected}; conformance 66.7 %")
+    assert terminal.lines(built)[0] == expected
+    assert terminal.lines(built)[-1].startswith(f"{expected}; conformance 66.7 %")
     markdown = (tmp_path / "conformance.md").read_text()
     assert "verdict: **NOT CONFORMANT** (to fsdp2-core)" in markdown
     assert "- fsdp2-core: **NOT CONFORMANT** (1 of 2 cases fail)" in markdown
@@ -165,7 +168,7 @@ def test_a_clean_run_with_deviations_is_conformant_everywhere(tmp_path):
     built.tests[1].status = "XFAIL"  # as an expectations entry would make it
     data = written(built, tmp_path)
     line = "verdict: CONFORMANT with 1 recorded deviation"
-    assert built.terminal_lines()[0] == line
+    assert terminal.lines(built)[0] == line
     assert (data["verdict"]["conformant"], data["verdict"]["line"]) == (True, line)
     banner, _ = page_verdicts((tmp_path / "conformance.html").read_text())
     assert banner["class"] == "banner good"
