@@ -22,12 +22,12 @@ from harness.controller.external.rank import ExternalRank
 from harness.controller.external.report import divert_unless_rank_0
 from harness.controller.launcher_registry import launcher_named
 from harness.controller.markers import check_markers, slow_world_sizes_of, world_sizes_of
+from harness.controller.option_group import option_group
 from harness.controller.session import (
     DIVERSION_KEY,
     SETTINGS_KEY,
     WORLD_SIZE_PARAM,
     external_world,
-    option_group,
     requested_launcher,
     world_size_of,
 )

@@ -15,7 +15,7 @@ import pytest
 
 from harness.controller.config import DEFAULT_DEADLINE_S, ConfigError
 from harness.controller.markers import deadline_of
-from harness.controller.session import option_group
+from harness.controller.option_group import option_group
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

@@ -21,7 +21,8 @@ from harness.controller.deadline import configured_deadline
 from harness.controller.launcher_registry import BUILT_IN as BUILT_IN_LAUNCHERS
 from harness.controller.launcher_registry import DEFAULT as DEFAULT_LAUNCHER
 from harness.controller.launcher_registry import launcher_named
-from harness.controller.session import option_group, requested_launcher
+from harness.controller.option_group import option_group
+from harness.controller.session import requested_launcher
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

@@ -39,12 +39,6 @@ ITEM_WORLD_SIZE_KEY = pytest.StashKey[int]()
 DIVERSION_KEY = pytest.StashKey[ReportDiversion | None]()
 
 
-def option_group(parser: pytest.Parser) -> pytest.OptionGroup:
-    """The ``distconform`` section of ``pytest --help``: each plugin module of the harness
-    adds its own options to it."""
-    return parser.getgroup("distconform", "distributed tests on N ranks (distconform)")
-
-
 def settings_of(config: pytest.Config) -> DistSettings:
     """The run's settings; a usage error when the distconform plugin did not configure."""
     settings = config.stash.get(SETTINGS_KEY, None)

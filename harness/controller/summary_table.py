@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from harness.controller.session import option_group
+from harness.controller.option_group import option_group
 from harness.shared.outcomes import RunResult
 
 _ROWS_KEY = pytest.StashKey[list["SummaryRow"]]()
