@@ -3,7 +3,9 @@
 Public API:
 
 - ``@pytest.mark.world_size(2, 4)`` and the ``rank_ctx`` fixture (the pytest plugin);
-- :func:`run_on_ranks` / :func:`launch` for code that is not a test;
+- :func:`run_on_ranks` / :func:`launch` for code that is not a test, and
+  :func:`run_in_session` for examples a test draws in the pytest process (Hypothesis), on the
+  session's warm pools;
 - :func:`get_rank_context` inside a function running on a rank;
 - :class:`RankLocal` for fixtures whose value must be built inside each rank;
 - :class:`DeviceAudit` (a ``TorchFunctionMode``) and :class:`DeviceAuditError`, the check
@@ -30,6 +32,7 @@ _EXPORTS = {
     "RunResult": "harness.shared.outcomes",
     "get_rank_context": "harness.shared.rank_context",
     "launch": "harness.controller.run_function",
+    "run_in_session": "harness.controller.session_ranks",
     "run_on_ranks": "harness.controller.run_function",
 }
 

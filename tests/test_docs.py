@@ -1,8 +1,11 @@
-"""The documentation: a short README, a site that builds without warnings, and an option
-reference generated from the options' definitions."""
+"""The documentation: a short README, a site that builds without warnings, an option
+reference generated from the options' definitions and measurement tables rendered from the
+benchmarks' JSON files."""
 
 from __future__ import annotations
 
+import importlib.util
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -31,6 +34,32 @@ def test_the_option_reference_is_generated_from_the_definitions():
     assert options_reference.main(["--check"]) == 0, (
         "docs/options.md is out of date: run python -m conformance.options_reference"
     )
+
+
+def _tables():
+    """benchmarks/tables.py, a script beside the benchmarks it imports."""
+    spec = importlib.util.spec_from_file_location("tables", ROOT / "benchmarks" / "tables.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_measurement_tables_are_rendered_from_the_benchmark_json():
+    assert _tables().main(["--check"]) == 0, (
+        "a table in docs/ differs from its JSON file: run python benchmarks/tables.py"
+    )
+
+
+def test_a_hand_edited_table_is_found():
+    tables = _tables()
+    page = (ROOT / "docs" / "benchmarks.md").read_text()
+    marked = re.search(r"<!-- table: \S+harness_overhead\.json -->\n\n\| variant", page)
+    assert marked is not None, "docs/benchmarks.md lost its harness_overhead table marker"
+    edited = re.sub(
+        r"(\| distconform warm pool \(--launcher process\) \| 301 \| )[\d.]+", r"\g<1>0.1", page
+    )
+    assert edited != page
+    assert tables.render_page(edited) == page
 
 
 def test_the_site_builds_with_warnings_as_errors(tmp_path):

@@ -1,7 +1,7 @@
 """Property-based conformance cases (Hypothesis).
 
 Examples are drawn in the pytest process and each one runs on its own ranks through
-:func:`harness.controller.session_ranks.run_in_session` on the thread launcher (world sizes 1 to 8
+:func:`harness.run_in_session` on the thread launcher (world sizes 1 to 8
 cost one host process each, whatever the session's launcher). Profiles:
 
 - ``distconform-ci`` (the default): derandomized, 3 examples at world sizes up to 4, no

@@ -29,8 +29,7 @@ import torch
 from hypothesis import given
 from torch import nn
 
-from harness import DistributedFailure, get_rank_context
-from harness.controller.session_ranks import run_in_session
+from harness import DistributedFailure, get_rank_context, run_in_session
 from harness.parity import ReferenceModel, assert_losses_equal, assert_sharded_parity
 from suites.properties.strategies import (
     MAX_WORLD_SIZE,

@@ -91,6 +91,45 @@ def test_every_import_runs_from_a_package_to_those_below_it():
     )
 
 
+#: Inside ``harness``, the folders by side, each allowed to import only those after it.
+SIDES = ("harness.controller", "harness.rank", "harness.comm", "harness.threads", "harness.shared")
+
+
+def _side(module: str) -> str | None:
+    return next((s for s in SIDES if module == s or module.startswith(f"{s}.")), None)
+
+
+def upward_side_imports(imports: dict[str, set[str]]) -> list[str]:
+    """``module imports other`` for each import from a side into one before it in SIDES."""
+    found = []
+    for module, targets in sorted(imports.items()):
+        side = _side(module)
+        if side is None:
+            continue
+        for imported in sorted(targets):
+            other = _side(imported)
+            if other is not None and SIDES.index(other) < SIDES.index(side):
+                found.append(f"{module} imports {imported}")
+    return found
+
+
+def test_inside_the_harness_imports_run_from_the_pytest_side_to_the_ranks_to_what_both_share():
+    modules = _modules()
+    imports = {
+        module: _imports(path, module, module_level_only=False) for module, path in modules.items()
+    }
+    upward = upward_side_imports(imports)
+    assert not upward, f"imports against {' -> '.join(SIDES)}:\n" + "\n".join(upward)
+
+
+def test_the_side_check_finds_a_rank_module_that_imports_the_pytest_side():
+    imports = {
+        "harness.rank.worker": {"harness.controller.pools", "harness.shared.task"},
+        "harness.controller.pools": {"harness.rank.worker"},
+    }
+    assert upward_side_imports(imports) == ["harness.rank.worker imports harness.controller.pools"]
+
+
 def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     index: dict[str, int] = {}
     low: dict[str, int] = {}
