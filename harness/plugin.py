@@ -19,7 +19,7 @@ import pytest
 from harness.controller import deadline, hookspecs, item_runner, run_options, summary_table
 from harness.controller.config import ConfigError, device_placement_line
 from harness.controller.external.rank import ExternalRank
-from harness.controller.external.report import divert_unless_rank_0
+from harness.controller.external.report_diversion import divert_unless_rank_0
 from harness.controller.launcher_registry import launcher_named
 from harness.controller.markers import check_markers, slow_world_sizes_of, world_sizes_of
 from harness.controller.option_group import option_group
@@ -92,7 +92,8 @@ def pytest_addhooks(pluginmanager: pytest.PytestPluginManager) -> None:
 @pytest.hookimpl(tryfirst=True)
 def pytest_cmdline_main(config: pytest.Config) -> None:
     """Under torchrun or srun, before pytest builds its terminal: only rank 0 prints the
-    report, every other rank's goes to a file (:mod:`harness.controller.external.report`)."""
+    report, every other rank's goes to a file
+    (:mod:`harness.controller.external.report_diversion`)."""
     if hasattr(config, "workerinput"):
         return
     try:

@@ -157,6 +157,9 @@ class DistSettings:
     memory_limit: int | None = None
     device_audit: bool = False
     share_devices: bool = False
+    #: pytest's warning filters (ini ``filterwarnings``, then ``-W``), each with whether its
+    #: text is literal: shipped to ranks that keep a warnings state of their own.
+    warning_filters: tuple[tuple[str, bool], ...] = ()
 
     def threads_for(self, world_size: int) -> int:
         return self.threads_per_rank or default_threads_per_rank(world_size)

@@ -41,7 +41,7 @@ from harness.controller.session import (
     settings_of,
     world_size_of,
 )
-from harness.controller.warning_filters import reemit
+from harness.controller.warning_reemit import reemit
 from harness.shared.gc_freeze import freeze_heap
 from harness.shared.outcomes import Outcome, RunResult
 from harness.shared.task import TaskPackingError

@@ -28,7 +28,6 @@ from harness.controller.session import (
     settings_of,
     world_size_of,
 )
-from harness.controller.warning_filters import filters_from_config
 
 if TYPE_CHECKING:
     from harness.controller.external.world import ExternalWorld
@@ -54,7 +53,6 @@ class ItemSettings:
     world_size: int
     #: The session's settings, with the item's own launcher and backend.
     run: DistSettings
-    launcher: Launcher
     deadline: float
     outer_limit: OuterLimit | None
     memory_limit: int | None
@@ -106,13 +104,12 @@ def _resolve(item: pytest.Item) -> ItemSettings | None:
     return ItemSettings(
         world_size=world_size,
         run=run,
-        launcher=launcher,
         deadline=deadline_for(item, run.deadline),
         outer_limit=outer_limit_for(item, item.stash.get(STARTED_KEY, time.monotonic())),
         memory_limit=memory_limit,
         device_audit=device_audit,
         # Ranks that share one warnings state (threads) capture nothing.
-        warning_filters=filters_from_config(config) if launcher.isolates_warnings else (),
+        warning_filters=run.warning_filters if launcher.isolates_warnings else (),
         assertions=assertions,
         world=world,
         pool=None

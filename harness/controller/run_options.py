@@ -141,4 +141,15 @@ def settings_from(config: pytest.Config) -> DistSettings:
         ),
         device_audit=config.getoption("dist_device_audit") or config.getini("dist_device_audit"),
         share_devices=config.getoption("dist_share_devices") or config.getini("dist_share_devices"),
+        warning_filters=warning_filters(config),
     )
+
+
+def warning_filters(config: pytest.Config) -> tuple[tuple[str, bool], ...]:
+    """The ini ``filterwarnings`` lines, then ``-W`` options (later ones win).
+
+    Each comes with whether its text is literal (command line) or a regex (ini).
+    """
+    ini = [(line.strip(), False) for line in config.getini("filterwarnings") if line.strip()]
+    cli = [(line, True) for line in config.known_args_namespace.pythonwarnings or []]
+    return (*ini, *cli)

@@ -14,7 +14,7 @@ import pytest
 
 from harness._pytest_private import AssertionSettings, assertion_settings
 from harness.controller.config import DistSettings
-from harness.controller.external.report import ReportDiversion
+from harness.controller.external.report_diversion import ReportDiversion
 
 if TYPE_CHECKING:
     from harness.controller.external.world import ExternalWorld

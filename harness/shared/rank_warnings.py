@@ -2,7 +2,7 @@
 
 The rank records what pytest's filters did not turn into an error
 (:mod:`harness.rank.warning_capture`); the parent re-emits it inside the test
-(:mod:`harness.controller.warning_filters`), where pytest's warnings summary shows it.
+(:mod:`harness.controller.warning_reemit`), where pytest's warnings summary shows it.
 """
 
 from __future__ import annotations

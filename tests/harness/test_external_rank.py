@@ -8,7 +8,7 @@ import pytest
 
 from harness.controller.config import ConfigError
 from harness.controller.external.rank import ExternalRank
-from harness.controller.external.report import report_file
+from harness.controller.external.report_diversion import report_file
 from harness.controller.external.world import _PeerFailureWatch
 
 TORCHRUN = {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "MASTER_ADDR": "node0",

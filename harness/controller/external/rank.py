@@ -1,7 +1,7 @@
 """Who this process is in a world started by torchrun or Slurm's srun, from its environment.
 
 No torch here: the harness reads it before pytest configures its terminal (a non-zero
-rank's report goes to a file, :mod:`harness.controller.external.report`).
+rank's report goes to a file, :mod:`harness.controller.external.report_diversion`).
 """
 
 from __future__ import annotations

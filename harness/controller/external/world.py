@@ -44,7 +44,7 @@ import torch.distributed as dist
 from harness import _torch_private
 from harness.controller.config import ConfigError
 from harness.controller.external.rank import ExternalRank
-from harness.controller.external.report import report_file
+from harness.controller.external.report_diversion import report_file
 from harness.rank import hygiene
 from harness.rank.execute import run_task_in_process
 from harness.shared.outcomes import (
