@@ -39,7 +39,7 @@ from harness.adopt import _torch_test_harness as torch_harness
 from harness.adopt.rank import run_adopted_method
 from harness.controller.config import THREADED_BACKEND
 from harness.controller.item_runner import RUN_KEY, run_item_body
-from harness.controller.item_settings import PoolChoice
+from harness.controller.item_settings import PoolChoice, resolve_item_settings
 from harness.controller.launcher_registry import THREAD, launcher_named
 from harness.controller.session import ITEM_WORLD_SIZE_KEY, settings_of
 from harness.shared.outcomes import RunResult
@@ -50,6 +50,8 @@ OPTION = "--dist-adopt"
 _BROKE_CONTRACT_KEY = pytest.StashKey[dict[type, str]]()
 #: The differences from their own harness already reported (each once a session).
 _WARNED_KEY = pytest.StashKey[set[str]]()
+#: Classes whose own init asks for a world the pool's group cannot serve, and why.
+_OWN_WORLD_KEY = pytest.StashKey[dict[type, str]]()
 
 
 class AdoptedClassWarning(pytest.PytestWarning):
@@ -60,6 +62,7 @@ class AdoptedClassWarning(pytest.PytestWarning):
 def pytest_configure(config: pytest.Config) -> None:
     config.stash[_BROKE_CONTRACT_KEY] = {}
     config.stash[_WARNED_KEY] = set()
+    config.stash[_OWN_WORLD_KEY] = {}
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -77,13 +80,15 @@ def pytest_pycollect_makeitem(
 
 def pytest_distconform_pool_choice(item: pytest.Item) -> PoolChoice | None:
     """A ``MultiThreadedTestCase`` class runs on rank threads; a class that broke the
-    warm-pool contract earlier in the session, on a pool of its own."""
+    warm-pool contract earlier in the session, on a pool of its own; a class that creates
+    its own world, on ranks of their own without the pool's group."""
     if not isinstance(item, AdoptedMethod):
         return None
     fresh = item.test_class in item.config.stash[_BROKE_CONTRACT_KEY]
     if item.on_rank_threads():
         return PoolChoice(launcher=THREAD, backend=THREADED_BACKEND, fresh=fresh)
-    return PoolChoice(fresh=fresh)
+    own_world = item.test_class in item.config.stash[_OWN_WORLD_KEY]
+    return PoolChoice(fresh=fresh, own_world=own_world)
 
 
 def pytest_distconform_reproducer_args(config: pytest.Config) -> list[str]:
@@ -141,20 +146,46 @@ class AdoptedMethod(pytest.Item):
             )
             if reason is not None:
                 skip_at_the_items_location(f"{reason}; --dist-adopt-fsdp-on-cpu runs it anyway")
+        need = self._run_method()
+        if need is None:
+            return
+        own_world = self.config.stash[_OWN_WORLD_KEY]
+        if self.test_class in own_world:
+            # It had ranks of their own and still found the pool's group: a launcher that
+            # cannot start ranks without one (torchrun's, the thread host's).
+            pytest.fail(
+                f"{need}; ranks without the pool's group need --launcher process", pytrace=False
+            )
+        own_world[self.test_class] = need
+        self.warn(
+            AdoptedClassWarning(
+                f"{need}: its tests run on ranks of their own, without the pool's group, as "
+                f"under its own harness"
+            )
+        )
+        resolve_item_settings(self)  # the pool choice now gives ranks of their own
+        need = self._run_method()
+        if need is not None:
+            pytest.fail(f"{need}, on ranks of its own too", pytrace=False)
+
+    def _run_method(self) -> str | None:
+        """Run the method on its ranks; why it needs a world of its own when it stopped at
+        its init for that, else None."""
         broke = self.config.stash[_BROKE_CONTRACT_KEY]
         with tempfile.TemporaryDirectory(prefix="distconform-adopt-") as directory:
             # The store file the class expects in self.file_name: shared by its ranks.
             store_file = Path(directory, "store")
             store_file.touch()
+            args = (self.test_class, self.name, str(store_file), self.stash[ITEM_WORLD_SIZE_KEY])
             try:
-                run_item_body(
-                    self, run_adopted_method, (self.test_class, self.name, str(store_file)), {}
-                )
+                run = run_item_body(self, run_adopted_method, args, {})
             finally:
                 run = self.stash.get(RUN_KEY, None)
                 if run is not None:
                     self._report_differences(run)
                     self._note_contract(run, broke)
+        needs = {value.needs_own_world for value in run.values if value.needs_own_world}
+        return min(needs) if needs else None
 
     def on_rank_threads(self) -> bool:
         if torch_harness.family_of(self.test_class) != torch_harness.THREAD_FAMILY:
@@ -166,7 +197,7 @@ class AdoptedMethod(pytest.Item):
         """How the class ran differently from its own harness, once per session."""
         warned = self.config.stash[_WARNED_KEY]
         for value in run.values:
-            for difference in value or ():
+            for difference in value.differences if value is not None else ():
                 if difference not in warned:
                     warned.add(difference)
                     self.warn(AdoptedClassWarning(difference))

@@ -2,12 +2,16 @@
 
 The rank already holds the harness's default process group, so the class's own calls to
 ``init_process_group`` and ``destroy_process_group`` are served from it while the method
-runs (:func:`serving_the_default_group`): an init that asks for this world (any backend,
-store or init method) returns at once, a destroy of the default group is left to the pool,
-and every such difference goes back to pytest, which warns once per class. An init that
-asks for another world size or rank fails the test with both numbers: the pool would
-otherwise run the method on a world it was not written for. The two functions are replaced
-when this module is imported (in the parent too, where they only ever defer to torch's).
+runs (:func:`serving_the_default_group`): an init that asks for this world on the pool's
+backend (any store or init method) returns at once, a destroy of the default group is left
+to the pool, and every such difference goes back to pytest, which warns once per class. An
+init that asks for another world size or rank fails the test with both numbers: the pool
+would otherwise run the method on a world it was not written for. An init that asks for
+another backend (one the class registers, say) is never served by the pool's: the method
+stops there and tells pytest, which runs it again on ranks without a default group, where
+its own init creates its own world, as under torch's harness. The two functions are
+replaced when this module is imported (in the parent too, where they only ever defer to
+torch's).
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import functools
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -23,16 +28,32 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
 from harness.adopt import _torch_test_harness as torch_harness
+from harness.shared.rank_context import get_rank_context
 
 
 class AdoptionError(AssertionError):
     """An adopted method asked for a world the pool does not have."""
 
 
-def run_adopted_method(test_class: type, method_name: str, file_name: str) -> list[str]:
-    """Build the rank's instance of ``test_class`` and run ``method_name`` on it; returns how
-    the run differed from the class's own harness (the pytest side reports them)."""
-    rank, world_size = dist.get_rank(), dist.get_world_size()
+class OwnWorldNeeded(Exception):
+    """The method's own init asked for a world the pool's group cannot stand in for."""
+
+
+@dataclass
+class MethodOutcome:
+    """What pytest learns from a rank besides pass or fail."""
+
+    #: How the run differed from the class's own harness.
+    differences: list[str] = field(default_factory=list)
+    #: Why the method needs a world of its own (it stopped at its init); None: it ran.
+    needs_own_world: str | None = None
+
+
+def run_adopted_method(
+    test_class: type, method_name: str, file_name: str, world_size: int
+) -> MethodOutcome:
+    """Build the rank's instance of ``test_class`` and run ``method_name`` on it."""
+    rank = get_rank_context().rank
     instance = torch_harness.build_instance(test_class, method_name, rank, file_name)
     declared = int(instance.world_size)
     if declared != world_size:
@@ -51,11 +72,14 @@ def run_adopted_method(test_class: type, method_name: str, file_name: str) -> li
         _run_body(test_class, instance, method_name)
 
     with serving_the_default_group(test_class.__qualname__) as differences:
-        if torch_harness.family_of(test_class) == torch_harness.THREAD_FAMILY:
-            torch_harness.run_per_thread_hooks(instance, body)
-        else:
-            body()
-    return differences
+        try:
+            if torch_harness.family_of(test_class) == torch_harness.THREAD_FAMILY:
+                torch_harness.run_per_thread_hooks(instance, body)
+            else:
+                body()
+        except OwnWorldNeeded as need:
+            return MethodOutcome(differences, needs_own_world=str(need))
+    return MethodOutcome(differences)
 
 
 @contextmanager
@@ -96,10 +120,11 @@ _originals: dict[str, Callable[..., Any]] = {}
 @contextmanager
 def serving_the_default_group(class_name: str) -> Iterator[list[str]]:
     """While the block runs on this thread, serve init/destroy of the default group from
-    the pool's group; yields the differences it noted (each once)."""
+    the pool's group; yields the differences it noted (each once). On ranks without a
+    group of the pool's, the class's own calls go to torch's, as under its own harness."""
     _install()
     differences: list[str] = []
-    _serving.state = (class_name, differences)
+    _serving.state = (class_name, differences) if dist.is_initialized() else None
     try:
         yield differences
     finally:
@@ -135,7 +160,7 @@ def _note(differences: list[str], text: str) -> None:
 
 def _served_init(*args: Any, **kwargs: Any) -> None:
     state = _state()
-    if state is None or not dist.is_initialized():
+    if state is None:
         return _originals["init_process_group"](*args, **kwargs)
     class_name, differences = state
     backend = kwargs.get("backend", args[0] if args else None)
@@ -147,11 +172,10 @@ def _served_init(*args: Any, **kwargs: Any) -> None:
             f"on rank {rank} of a pool of {world_size}: run it at its own world size"
         )
     pool_backend = dist.get_backend()
-    if backend is not None and str(backend).lower() != pool_backend:
-        _note(
-            differences,
-            f"{class_name}: init_process_group(backend={backend!r}) runs on the pool's "
-            f"{pool_backend!r} group",
+    if backend is not None and not _same_backend(str(backend), pool_backend):
+        raise OwnWorldNeeded(
+            f"{class_name} initialises its own {backend!r} backend, which the pool's "
+            f"{pool_backend!r} group cannot stand in for"
         )
     if any(kwargs.get(key) is not None for key in ("store", "init_method")):
         _note(
@@ -160,6 +184,15 @@ def _served_init(*args: Any, **kwargs: Any) -> None:
             f"pool's group serves it",
         )
     return None
+
+
+def _same_backend(asked: str, pool_backend: str) -> bool:
+    """``gloo`` is the pool's ``gloo``; ``cpu:gloo,cuda:nccl`` is served when the pool's
+    backend is one of those it names."""
+    asked = asked.lower()
+    return asked == pool_backend or pool_backend in {
+        part.partition(":")[2] or part for part in asked.split(",")
+    }
 
 
 def _served_destroy(group: Any = None, *args: Any, **kwargs: Any) -> None:

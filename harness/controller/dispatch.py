@@ -29,6 +29,7 @@ def pool_key(
     threads_per_rank: int,
     rendezvous: str = "file",
     share_devices: bool = False,
+    joins_world: bool = True,
 ) -> PoolKey:
     """The key of the warm pool that can run this world, the inherited environment included."""
     return PoolKey(
@@ -40,6 +41,7 @@ def pool_key(
         rendezvous=rendezvous,
         share_devices=share_devices and device_type != "cpu",
         env_fingerprint=env_fingerprint(),
+        joins_world=joins_world,
     )
 
 

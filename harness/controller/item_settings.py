@@ -46,6 +46,9 @@ class PoolChoice:
     launcher: str | None = None
     backend: str | None = None
     fresh: bool = False
+    #: Ranks without a default process group, on a pool of their own: for a test that
+    #: creates its own world (its own backend), as under torch's own harness.
+    own_world: bool = False
 
 
 @dataclass(frozen=True)
@@ -122,8 +125,12 @@ def _resolve(item: pytest.Item) -> ItemSettings | None:
             threads_per_rank=run.threads_for(world_size),
             rendezvous=run.rendezvous,
             share_devices=run.share_devices,
+            joins_world=not choice.own_world,
         ),
-        fresh=choice.fresh or run.fresh_pool or item.get_closest_marker("fresh_pool") is not None,
+        fresh=choice.fresh
+        or choice.own_world
+        or run.fresh_pool
+        or item.get_closest_marker("fresh_pool") is not None,
         failure_context=(
             f"{run.placement(world_size)}, "
             f"{run.launcher}/{run.backend}/{run.device_type}, seed {run.seed}"

@@ -50,12 +50,15 @@ class PoolKey:
     share_devices: bool = False
     env: tuple[tuple[str, str], ...] = ()
     env_fingerprint: int = 0
+    #: False: ranks without a default process group, for a test that creates its own world.
+    joins_world: bool = True
 
     def describe(self) -> str:
         shared = ", devices shared" if self.share_devices else ""
+        bare = ", no default group" if not self.joins_world else ""
         return (
             f"{self.launcher}/{self.backend}/{self.device_type}, ws {self.world_size}, "
-            f"{self.threads_per_rank} thread(s) per rank{shared}"
+            f"{self.threads_per_rank} thread(s) per rank{shared}{bare}"
         )
 
 

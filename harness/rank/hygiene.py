@@ -33,6 +33,9 @@ class Snapshot:
     env: dict[Any, Any]  # harness.shared.environ.raw_environment()
     groups: frozenset[int]
     torch_globals: dict[str, object]
+    #: Whether the rank had a default group before the test (a pool without one serves
+    #: tests that create their own world).
+    had_default_group: bool = True
 
 
 def _torch_globals() -> dict[str, object]:
@@ -53,6 +56,7 @@ def take_snapshot() -> Snapshot:
         env=raw_environment(),
         groups=frozenset(id(g) for g in groups),
         torch_globals=_torch_globals(),
+        had_default_group=dist.is_initialized(),
     )
 
 
@@ -79,6 +83,13 @@ def _changed_torch_globals(before: Snapshot) -> list[str]:
 
 
 def _destroy_new_groups(before: Snapshot, device_type: str) -> list[str]:
+    if not before.had_default_group:
+        # The test's own world: gone with the test, as with its own harness's process.
+        if dist.is_initialized():
+            dist.destroy_process_group()
+            _torch_private.forget_dtensor_caches(device_type)
+            gc.collect()
+        return []
     if not dist.is_initialized():
         return ["the default process group was destroyed by the test"]
     violations = []

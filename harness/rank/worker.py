@@ -89,14 +89,15 @@ def _join_world(spec: WorkerSpec) -> Any:
         torch.accelerator.set_device_index(spec.device_index)
         device = torch.device(spec.device_type, spec.device_index)
         device_id = device if spec.bind_device else None
-    dist.init_process_group(
-        backend=spec.backend,
-        store=_make_store(spec.store, spec.world_size, timeout),
-        rank=spec.rank,
-        world_size=spec.world_size,
-        timeout=timeout,
-        device_id=device_id,
-    )
+    if spec.joins_world:
+        dist.init_process_group(
+            backend=spec.backend,
+            store=_make_store(spec.store, spec.world_size, timeout),
+            rank=spec.rank,
+            world_size=spec.world_size,
+            timeout=timeout,
+            device_id=device_id,
+        )
     return RankContext(
         rank=spec.rank,
         world_size=spec.world_size,
@@ -169,7 +170,11 @@ def serve(spec: WorkerSpec) -> None:
             # The result is already with the parent; now prove the default group still
             # works for the next test. A rank whose peer failed would wait here in
             # vain, but then the parent recycles the pool without reading this.
-            conn.send(hygiene.check_default_group(min(BETWEEN_TESTS_TIMEOUT_S, task.pg_timeout)))
+            if spec.joins_world:
+                timeout = min(BETWEEN_TESTS_TIMEOUT_S, task.pg_timeout)
+                conn.send(hygiene.check_default_group(timeout))
+            else:
+                conn.send([])  # no group of the pool's to prove
 
 
 def main(argv: list[str]) -> None:

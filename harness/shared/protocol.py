@@ -42,6 +42,9 @@ class WorkerSpec:
     bind_device: bool = True
     # The process hosts every rank as a thread (the thread launcher) instead of being one.
     thread_host: bool = False
+    # False: the rank starts without a default process group, for a test that creates its
+    # own world (its own backend, store or init method), as under torch's own harness.
+    joins_world: bool = True
 
     def to_json(self) -> str:
         return json.dumps(self.__dict__)

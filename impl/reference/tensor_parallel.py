@@ -50,21 +50,23 @@ class ModelParallelSpec:
                     "(distribute_module or parallelize_module first); got a plain tensor"
                 )
             return None
-        spec = cls(param.device_mesh, tuple(param.placements), param.shape, param.stride())
+        placements = tuple(param.placements)
         if not dp_mesh.spmd:
-            return spec
+            return cls(param.device_mesh, placements, param.shape, param.stride())
         if param.device_mesh != dp_mesh.mesh:
             raise ValueError(
                 f"with dp_mesh_dims the parameters must be DTensors on the mesh passed in "
                 f"{dp_mesh.mesh.mesh_dim_names}; got one on {param.device_mesh.mesh_dim_names}"
             )
         for dim in dp_mesh.dims:
-            if not spec.placements[dim].is_replicate():
+            if not placements[dim].is_replicate():
                 raise ValueError(
                     f"with dp_mesh_dims a parameter must be Replicate() on the data-parallel "
-                    f"dim {dp_mesh.mesh.mesh_dim_names[dim]!r}; got {spec.placements[dim]}"
+                    f"dim {dp_mesh.mesh.mesh_dim_names[dim]!r}; got {placements[dim]}"
                 )
-        return cls(spec.mesh, spec.placements, spec.shape, spec.stride, frozenset(dp_mesh.dims))
+        return cls(
+            param.device_mesh, placements, param.shape, param.stride(), frozenset(dp_mesh.dims)
+        )
 
     def local_grad(self, grad: torch.Tensor) -> torch.Tensor:
         """A gradient of the unsharded ``DTensor`` parameter as its local tensor, brought to

@@ -221,6 +221,40 @@ class TestChangesDefaultDtype(MultiProcessTestCase):
         self.assertEqual(RAN_IN_THIS_PROCESS, [])
 
 
+class TestOwnBackend(MultiProcessTestCase):
+    # As test_c10d_common's custom-backend and Python-backend classes: it registers a backend
+    # and initialises its own world with it, which the pool's gloo group cannot stand in for.
+    @property
+    def world_size(self):
+        return 2
+
+    def _init_custom(self):
+        def create(store, rank, size, timeout):  # a gloo group under a name of its own
+            return dist.ProcessGroupGloo(store, rank, size, timeout)
+
+        if "custom" not in dist.Backend.backend_list:
+            dist.Backend.register_backend("custom", create, devices=["cpu"])
+        dist.init_process_group(
+            "custom",
+            store=dist.FileStore(self.file_name, self.world_size),
+            rank=self.rank,
+            world_size=self.world_size,
+        )
+
+    def test_1_initialises_its_own_backend(self):
+        self._init_custom()
+        self.assertEqual(dist.get_backend(), "custom")
+        value = torch.ones(1) * (self.rank + 1)
+        dist.all_reduce(value)
+        self.assertEqual(value.item(), 3)
+        dist.destroy_process_group()
+
+    def test_2_goes_to_ranks_of_its_own_at_once(self):
+        self._init_custom()
+        self.assertEqual(dist.get_backend(), "custom")
+        dist.destroy_process_group()
+
+
 RAN_IN_THIS_PROCESS = []
 SHARED_BY_THE_RANK_THREADS = []
 """
@@ -294,6 +328,8 @@ def test_every_method_is_one_item_with_its_own_outcome(adopted):
         "TestChangesDefaultDtype::test_1_leaves_float64_behind": "passed",
         "TestChangesDefaultDtype::test_2_still_runs": "passed",
         "TestChangesDefaultDtype::test_3_runs_on_a_pool_of_its_own": "passed",
+        "TestOwnBackend::test_1_initialises_its_own_backend": "passed",
+        "TestOwnBackend::test_2_goes_to_ranks_of_its_own_at_once": "passed",
     }, done.stdout[-6000:]
     assert (
         "XFAIL test_sample.py::TestProcesses::test_expected_to_fail - unittest.expectedFailure"
@@ -386,6 +422,17 @@ def test_differences_from_the_classes_own_harness_are_warned_once(adopted):
         "TestProcesses: destroy_process_group() of the default group is left to the pool",
     ):
         assert done.stdout.count(difference) == 1, done.stdout[-4000:]
+
+
+def test_a_class_that_initialises_its_own_backend_runs_in_a_world_of_its_own(adopted):
+    """Never the pool's group in its place: its init creates its world on ranks without one,
+    as under its own harness; the class is named once."""
+    done, _ = adopted
+    warning = (
+        "TestOwnBackend initialises its own 'custom' backend, which the pool's 'gloo' group "
+        "cannot stand in for: its tests run on ranks of their own"
+    )
+    assert done.stdout.count(warning) == 1, done.stdout[-4000:]
 
 
 def test_a_class_that_changes_process_state_gets_fresh_pools_and_a_warning(adopted):

@@ -38,6 +38,7 @@ class ProcessLauncher:
                 bind_device=binds_device_id(key.backend),
                 env=(*key.env, *extra_env.items()),
                 echo=echo,
+                joins_world=key.joins_world,
             )
             return ProcessPool(spec)
 

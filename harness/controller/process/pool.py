@@ -61,6 +61,7 @@ class ProcessPoolSpec:
     bind_device: bool = True
     env: tuple[tuple[str, str], ...] = ()
     echo: Callable[[str], None] | None = field(default=None, compare=False)
+    joins_world: bool = True
 
 
 @dataclass
@@ -174,6 +175,7 @@ class ProcessPool:
             bind_device=self.spec.bind_device,
             launcher=self.launcher,
             thread_host=self.hosts_rank_threads,
+            joins_world=self.spec.joins_world,
             threads=self.spec.threads_per_rank,
             control_fd=control_fd,
             stack_path=str(stack_path),
