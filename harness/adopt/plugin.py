@@ -50,8 +50,11 @@ OPTION = "--dist-adopt"
 _BROKE_CONTRACT_KEY = pytest.StashKey[dict[type, str]]()
 #: The differences from their own harness already reported (each once a session).
 _WARNED_KEY = pytest.StashKey[set[str]]()
-#: Classes whose own init asks for a world the pool's group cannot serve, and why.
-_OWN_WORLD_KEY = pytest.StashKey[dict[type, str]]()
+#: Set on a method that stopped at an init the pool's group cannot serve: it runs again on
+#: ranks of its own.
+_OWN_WORLD_KEY = pytest.StashKey[str]()
+#: The classes already named for initialising a world of their own (each once a session).
+_OWN_WORLD_CLASSES_KEY = pytest.StashKey[set[type]]()
 
 
 class AdoptedClassWarning(pytest.PytestWarning):
@@ -62,7 +65,7 @@ class AdoptedClassWarning(pytest.PytestWarning):
 def pytest_configure(config: pytest.Config) -> None:
     config.stash[_BROKE_CONTRACT_KEY] = {}
     config.stash[_WARNED_KEY] = set()
-    config.stash[_OWN_WORLD_KEY] = {}
+    config.stash[_OWN_WORLD_CLASSES_KEY] = set()
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -87,8 +90,7 @@ def pytest_distconform_pool_choice(item: pytest.Item) -> PoolChoice | None:
     fresh = item.test_class in item.config.stash[_BROKE_CONTRACT_KEY]
     if item.on_rank_threads():
         return PoolChoice(launcher=THREAD, backend=THREADED_BACKEND, fresh=fresh)
-    own_world = item.test_class in item.config.stash[_OWN_WORLD_KEY]
-    return PoolChoice(fresh=fresh, own_world=own_world)
+    return PoolChoice(fresh=fresh, own_world=_OWN_WORLD_KEY in item.stash)
 
 
 def pytest_distconform_reproducer_args(config: pytest.Config) -> list[str]:
@@ -149,24 +151,24 @@ class AdoptedMethod(pytest.Item):
         need = self._run_method()
         if need is None:
             return
-        own_world = self.config.stash[_OWN_WORLD_KEY]
-        if self.test_class in own_world:
-            # It had ranks of their own and still found the pool's group: a launcher that
-            # cannot start ranks without one (torchrun's, the thread host's).
-            pytest.fail(
-                f"{need}; ranks without the pool's group need --launcher process", pytrace=False
+        named = self.config.stash[_OWN_WORLD_CLASSES_KEY]
+        if self.test_class not in named:
+            named.add(self.test_class)
+            self.warn(
+                AdoptedClassWarning(
+                    f"{need}: such a test runs on ranks of its own, without the pool's group, "
+                    f"as under its own harness"
+                )
             )
-        own_world[self.test_class] = need
-        self.warn(
-            AdoptedClassWarning(
-                f"{need}: its tests run on ranks of their own, without the pool's group, as "
-                f"under its own harness"
-            )
-        )
+        self.stash[_OWN_WORLD_KEY] = need
         resolve_item_settings(self)  # the pool choice now gives ranks of their own
         need = self._run_method()
         if need is not None:
-            pytest.fail(f"{need}, on ranks of its own too", pytrace=False)
+            # Its ranks still had the pool's group: a launcher that cannot start ranks
+            # without one (torchrun's, the thread host's).
+            pytest.fail(
+                f"{need}; ranks without the pool's group need --launcher process", pytrace=False
+            )
 
     def _run_method(self) -> str | None:
         """Run the method on its ranks; why it needs a world of its own when it stopped at

@@ -2,21 +2,22 @@
 
 The rank already holds the harness's default process group, so the class's own calls to
 ``init_process_group`` and ``destroy_process_group`` are served from it while the method
-runs (:func:`serving_the_default_group`): an init that asks for this world on the pool's
-backend (any store or init method) returns at once, a destroy of the default group is left
-to the pool, and every such difference goes back to pytest, which warns once per class. An
-init that asks for another world size or rank fails the test with both numbers: the pool
-would otherwise run the method on a world it was not written for. An init that asks for
-another backend (one the class registers, say) is never served by the pool's: the method
-stops there and tells pytest, which runs it again on ranks without a default group, where
-its own init creates its own world, as under torch's harness. The two functions are
-replaced when this module is imported (in the parent too, where they only ever defer to
-torch's).
+runs (:func:`serving_the_default_group`): an init that asks for nothing but this world
+returns at once, a destroy of the default group is left to the pool, and every such
+difference goes back to pytest, which warns once per class. An init that asks for another
+world size or rank fails the test with both numbers: the pool would otherwise run the
+method on a world it was not written for. An init that brings what the pool's group cannot
+stand in for (another backend, its own store, init method or group options) is never
+served: the method stops there and tells pytest, which runs it again on ranks without a
+default group, where its own init creates its own world, as under torch's harness. The two
+functions are replaced when this module is imported (in the parent too, where they only
+ever defer to torch's).
 """
 
 from __future__ import annotations
 
 import functools
+import inspect
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -162,28 +163,36 @@ def _served_init(*args: Any, **kwargs: Any) -> None:
     state = _state()
     if state is None:
         return _originals["init_process_group"](*args, **kwargs)
-    class_name, differences = state
-    backend = kwargs.get("backend", args[0] if args else None)
+    class_name, _ = state
+    asked = inspect.signature(_originals["init_process_group"]).bind_partial(*args, **kwargs)
+    asked = asked.arguments
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    asked_size, asked_rank = kwargs.get("world_size", -1), kwargs.get("rank", -1)
+    asked_size, asked_rank = asked.get("world_size", -1), asked.get("rank", -1)
     if asked_size not in (-1, None, world_size) or asked_rank not in (-1, None, rank):
         raise AdoptionError(
             f"{class_name} calls init_process_group(world_size={asked_size}, rank={asked_rank}) "
             f"on rank {rank} of a pool of {world_size}: run it at its own world size"
         )
-    pool_backend = dist.get_backend()
-    if backend is not None and not _same_backend(str(backend), pool_backend):
-        raise OwnWorldNeeded(
-            f"{class_name} initialises its own {backend!r} backend, which the pool's "
-            f"{pool_backend!r} group cannot stand in for"
-        )
-    if any(kwargs.get(key) is not None for key in ("store", "init_method")):
-        _note(
-            differences,
-            f"{class_name}: init_process_group's own store or init_method is not used; the "
-            f"pool's group serves it",
-        )
+    own = _what_the_pool_lacks(asked, dist.get_backend())
+    if own:
+        raise OwnWorldNeeded(f"{class_name} initialises its world with {' and '.join(own)}")
     return None
+
+
+def _what_the_pool_lacks(asked: dict[str, Any], pool_backend: str) -> list[str]:
+    """What an init asks for that the pool's group cannot stand in for."""
+    lacks = []
+    backend = asked.get("backend")
+    if backend is not None and not _same_backend(str(backend), pool_backend):
+        lacks.append(f"its own {backend!r} backend (the pool's is {pool_backend!r})")
+    for name, what in (
+        ("store", "its own store"),
+        ("init_method", "its own init_method"),
+        ("pg_options", "its own group options"),
+    ):
+        if asked.get(name) is not None:
+            lacks.append(what)
+    return lacks
 
 
 def _same_backend(asked: str, pool_backend: str) -> bool:

@@ -8,6 +8,7 @@ just before the result was sent lands in the next test's output.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Callable
 from typing import BinaryIO
@@ -49,6 +50,9 @@ class RankOutput:
         except (OSError, ValueError):
             pass
         finally:
+            # The rank is gone (end of file): nothing else reads this pipe.
+            with contextlib.suppress(OSError):
+                self._pipe.close()
             with self._cond:
                 self._closed = True
                 self._cond.notify_all()
