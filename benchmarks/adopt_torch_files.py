@@ -2,6 +2,8 @@
 torch's own harness and under ``--dist-adopt``, in one table.
 
     python benchmarks/adopt_torch_files.py PATH [PATH ...] [--out results.json] [-- PYTEST ARGS]
+    python benchmarks/adopt_torch_files.py --corpus benchmarks/adopt_corpus.toml \
+        --corpus-dir DIR [--only NAME ...] [--out results.json]
 
 Each file (e.g. PyTorch's ``test/distributed/_composable/fsdp/test_fully_shard_training.py``
 from a checkout) is copied into a fresh temporary directory and run twice, each time as its
@@ -12,11 +14,19 @@ outcome and time from pytest's JUnit file, the session walls, their ratio, and f
 tests that pass under torch's harness but not when adopted (the adapter's regressions; the
 list should be empty). ``--also-fsdp-on-cpu`` adds a session with ``--dist-adopt-fsdp-on-cpu``.
 Files are only read: nothing is written next to them.
+
+``--corpus`` runs the files a manifest lists (repository, path, commit, sha256 prefix and the
+pytest arguments of each), read beforehand into ``--corpus-dir``; each is checked against its
+hash, its siblings there are importable, and the JSON records where it came from. It ends
+with one summary row per file: the tests passing under each harness, every test whose
+outcome differs (named), the session walls and their ratio, and the ratio over the tests
+that ran (passed or failed) under both harnesses, from their JUnit times.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import shutil
@@ -24,6 +34,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import tomllib
 import xml.etree.ElementTree as ElementTree
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -45,13 +56,17 @@ class Session:
     tests: dict[str, tuple[str, float, str]]
 
 
-def run_session(source: Path, mode: str, extra: list[str], timeout: float) -> Session:
+def run_session(
+    source: Path, mode: str, extra: list[str], timeout: float, siblings: Path | None = None
+) -> Session:
     with tempfile.TemporaryDirectory(prefix=f"adopt-bench-{mode}-") as directory:
         work = Path(directory)
         shutil.copy(source, work / source.name)
         (work / "pytest.ini").write_text("[pytest]\n")
         env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
+        # The repository, then the file's siblings (a corpus file may import another).
+        paths = [str(REPO), *([str(siblings)] if siblings else []), env.get("PYTHONPATH", "")]
+        env["PYTHONPATH"] = os.pathsep.join(paths)
         command = [
             sys.executable, "-m", "pytest", source.name, "-q", "-p", "no:cacheprovider",
             "--junitxml", "junit.xml", *MODES[mode], *extra,
@@ -116,6 +131,99 @@ def table(file_name: str, sessions: list[Session]) -> list[str]:
     return lines
 
 
+RAN = ("passed", "failed")
+
+
+def summary_row(result: dict) -> dict:
+    """One file's figures: torch's harness against the first adopted session."""
+    torch_run, adopted = result["sessions"][0], result["sessions"][1]
+    names = sorted(set(torch_run["tests"]) | set(adopted["tests"]))
+
+    def outcome(session: dict, name: str) -> str:
+        return session["tests"].get(name, ["not run"])[0]
+
+    differences = [
+        f"{name}: {outcome(torch_run, name)} under torch's harness, {outcome(adopted, name)} "
+        f"adopted"
+        for name in names
+        if outcome(torch_run, name) != outcome(adopted, name)
+    ]
+    both_ran = [
+        name for name in names if outcome(torch_run, name) in RAN and outcome(adopted, name) in RAN
+    ]
+    torch_s = sum(torch_run["tests"][name][1] for name in both_ran)
+    adopted_s = sum(adopted["tests"][name][1] for name in both_ran)
+    return {
+        "file": result["file"],
+        "tests": len(names),
+        "passed_torch": sum(outcome(torch_run, n) == "passed" for n in names),
+        "passed_adopted": sum(outcome(adopted, n) == "passed" for n in names),
+        "differences": differences,
+        "wall_torch_s": torch_run["wall_s"],
+        "wall_adopted_s": adopted["wall_s"],
+        "ran_both": len(both_ran),
+        "ran_both_torch_s": torch_s,
+        "ran_both_adopted_s": adopted_s,
+    }
+
+
+def format_summary(results: list[dict]) -> str:
+    """The corpus table: one row per file, then the corpus as a whole."""
+    rows = [summary_row(result) for result in results]
+    lines = [
+        "| file | tests | pass torch / adopted | differences | session s torch / adopted "
+        "| ratio | ran under both | their s torch / adopted | ratio |",
+        "|---|---:|---|---|---|---:|---:|---|---:|",
+    ]
+
+    def ratio(a: float, b: float) -> str:
+        return f"{a / b:.1f}x" if b else "-"
+
+    for row in rows:
+        lines.append(
+            f"| {row['file']} | {row['tests']} | {row['passed_torch']} / {row['passed_adopted']} "
+            f"| {'; '.join(row['differences']) or 'none'} "
+            f"| {row['wall_torch_s']:.1f} / {row['wall_adopted_s']:.1f} "
+            f"| {ratio(row['wall_torch_s'], row['wall_adopted_s'])} | {row['ran_both']} "
+            f"| {row['ran_both_torch_s']:.1f} / {row['ran_both_adopted_s']:.1f} "
+            f"| {ratio(row['ran_both_torch_s'], row['ran_both_adopted_s'])} |"
+        )
+    torch_wall = sum(r["wall_torch_s"] for r in rows)
+    adopted_wall = sum(r["wall_adopted_s"] for r in rows)
+    torch_ran = sum(r["ran_both_torch_s"] for r in rows)
+    adopted_ran = sum(r["ran_both_adopted_s"] for r in rows)
+    lines.append(
+        f"| **all** | {sum(r['tests'] for r in rows)} "
+        f"| {sum(r['passed_torch'] for r in rows)} / {sum(r['passed_adopted'] for r in rows)} "
+        f"| {sum(len(r['differences']) for r in rows)} "
+        f"| {torch_wall:.1f} / {adopted_wall:.1f} | {ratio(torch_wall, adopted_wall)} "
+        f"| {sum(r['ran_both'] for r in rows)} | {torch_ran:.1f} / {adopted_ran:.1f} "
+        f"| {ratio(torch_ran, adopted_ran)} |"
+    )
+    return "\n".join(lines)
+
+
+def corpus_files(manifest: Path, directory: Path, only: list[str]) -> list[dict]:
+    """The manifest's entries (``only`` those named), each checked against its file."""
+    entries = tomllib.loads(manifest.read_text())["file"]
+    if only:
+        unknown = sorted(set(only) - {entry["name"] for entry in entries})
+        if unknown:
+            raise SystemExit(f"not in {manifest}: {', '.join(unknown)}")
+        entries = [entry for entry in entries if entry["name"] in only]
+    for entry in entries:
+        path = directory / entry["name"]
+        if not path.is_file():
+            raise SystemExit(
+                f"{path}: missing; read {entry['repository']}:{entry['path']} at "
+                f"{entry['commit']} into {directory}"
+            )
+        digest = hashlib.sha256(path.read_bytes()).hexdigest()
+        if not digest.startswith(entry["sha256"]):
+            raise SystemExit(f"{path}: sha256 {digest[:16]}, the manifest says {entry['sha256']}")
+    return entries
+
+
 def _outcome(result: tuple[str, float, str]) -> str:
     outcome, _, message = result
     if outcome in ("skipped", "failed") and message:
@@ -137,6 +245,15 @@ def main(argv: list[str] | None = None) -> int:
         "where their own harness skips them)",
     )
     parser.add_argument(
+        "--corpus", type=Path, metavar="MANIFEST", help="run the files this TOML manifest lists"
+    )
+    parser.add_argument(
+        "--corpus-dir", type=Path, metavar="DIR", help="where the manifest's files were read to"
+    )
+    parser.add_argument(
+        "--only", action="append", default=[], metavar="NAME", help="only this corpus file"
+    )
+    parser.add_argument(
         "--from-json",
         type=Path,
         metavar="RESULTS",
@@ -146,27 +263,41 @@ def main(argv: list[str] | None = None) -> int:
     if options.from_json:
         print_saved(options.from_json)
         return 0
-    if not options.paths:
-        parser.error("name the test files to run (or --from-json RESULTS)")
+    if options.corpus:
+        if options.corpus_dir is None:
+            parser.error("--corpus needs --corpus-dir")
+        entries = corpus_files(options.corpus, options.corpus_dir, options.only)
+        sources = [(options.corpus_dir / e["name"], e, e.get("pytest_args", [])) for e in entries]
+    elif options.paths:
+        sources = [(path, None, []) for path in options.paths]
+    else:
+        parser.error("name the test files to run, --corpus MANIFEST, or --from-json RESULTS")
     # Before any session: a mistyped second path would otherwise end the run (and lose its
     # --out) only after the first file's sessions.
-    missing = [str(path) for path in options.paths if not path.is_file()]
+    missing = [str(path) for path, _, _ in sources if not path.is_file()]
     if missing:
         parser.error(f"no such file: {', '.join(missing)}")
     extra = [arg for arg in extra if arg != "--"]
     results = []
-    for source in options.paths:
+    siblings = options.corpus_dir if options.corpus else None
+    for source, origin, file_args in sources:
+        args = [*file_args, *extra]
         print(f"running {source.name} under torch's harness...", file=sys.stderr, flush=True)
-        torch_run = run_session(source, "torch", extra, options.timeout)
+        torch_run = run_session(source, "torch", args, options.timeout, siblings)
         sessions = [torch_run]
         modes = ["adopt", "adopt-fsdp-on-cpu"] if options.also_fsdp_on_cpu else ["adopt"]
         for mode in modes:
             print(f"running {source.name}: {' '.join(MODES[mode])}...", file=sys.stderr, flush=True)
-            sessions.append(run_session(source, mode, extra, options.timeout))
+            sessions.append(run_session(source, mode, args, options.timeout, siblings))
         print("\n".join(table(source.name, sessions)) + "\n", flush=True)
-        results.append({"file": source.name, "sessions": [asdict(s) for s in sessions]})
-    if options.out:
-        options.out.write_text(json.dumps(results, indent=1))
+        result = {"file": source.name, "sessions": [asdict(s) for s in sessions]}
+        if origin is not None:
+            result["origin"] = {k: origin[k] for k in ("repository", "path", "commit", "sha256")}
+            result["pytest_args"] = args
+        results.append(result)
+        if options.out:  # after each file: a long corpus run keeps what it measured
+            options.out.write_text(json.dumps(results, indent=1))
+    print(format_summary(results))
     return 0
 
 
@@ -180,6 +311,7 @@ def print_saved(path: Path) -> None:
             for s in result["sessions"]
         ]
         print("\n".join(table(result["file"], sessions)) + "\n")
+    print(format_summary(json.loads(path.read_text())))
 
 
 if __name__ == "__main__":
