@@ -177,7 +177,10 @@ def format_summary(results: list[dict]) -> str:
     ]
 
     def ratio(a: float, b: float) -> str:
-        return f"{a / b:.1f}x" if b else "-"
+        if not b:
+            return "-"
+        # Two significant digits below 1: a file far slower adopted must not read 0.0x.
+        return f"{a / b:.1f}x" if a >= b else f"{a / b:.2g}x"
 
     for row in rows:
         lines.append(

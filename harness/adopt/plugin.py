@@ -180,13 +180,13 @@ class AdoptedMethod(pytest.Item):
             store_file.touch()
             args = (self.test_class, self.name, str(store_file), self.stash[ITEM_WORLD_SIZE_KEY])
             try:
-                run = run_item_body(self, run_adopted_method, args, {})
+                run_item_body(self, run_adopted_method, args, {})
             finally:
                 run = self.stash.get(RUN_KEY, None)
                 if run is not None:
                     self._report_differences(run)
                     self._note_contract(run, broke)
-        needs = {value.needs_own_world for value in run.values if value.needs_own_world}
+        needs = {v.needs_own_world for v in run.values if v is not None and v.needs_own_world}
         return min(needs) if needs else None
 
     def on_rank_threads(self) -> bool:
