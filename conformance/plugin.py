@@ -439,10 +439,10 @@ class ConformancePlugin:
         write_files(report, self.out_dir, FILE_FORMATS)
 
     def _show_progress(self) -> None:
-        terminal = self.config.pluginmanager.get_plugin("terminalreporter")
-        if terminal is not None:
-            terminal.ensure_newline()
-            terminal.write_line(self.tracker.progress_line())
+        reporter = self.config.pluginmanager.get_plugin("terminalreporter")
+        if reporter is not None:
+            reporter.ensure_newline()
+            reporter.write_line(self.tracker.progress_line())
 
     def pytest_terminal_summary(self, terminalreporter) -> None:
         if self.report is None:
