@@ -87,8 +87,7 @@ def _destroy_new_groups(before: Snapshot, device_type: str) -> list[str]:
         # The test's own world: gone with the test, as with its own harness's process.
         if dist.is_initialized():
             dist.destroy_process_group()
-            _torch_private.forget_dtensor_caches(device_type)
-            gc.collect()
+            _release_destroyed_groups(device_type)
         return []
     if not dist.is_initialized():
         return ["the default process group was destroyed by the test"]
@@ -103,16 +102,20 @@ def _destroy_new_groups(before: Snapshot, device_type: str) -> list[str]:
         except Exception as exc:
             violations.append(f"could not destroy a process group the test created: {exc}")
     if destroyed:
-        # DTensor caches results by mesh *value*: the next test's equal mesh would get
-        # back this test's mesh object, whose groups are gone (issue 3).
-        _torch_private.forget_dtensor_caches(device_type)
-        # A destroyed group lives on while the test's objects (modules, meshes, pipeline
-        # stages) that hold it sit in reference cycles, which only a full collection
-        # frees. Its backend keeps its threads and sockets meanwhile: gloo's event loops
-        # spin once peers close their ends, so a warm pool would burn CPU and grow by
-        # dozens of threads per test.
-        gc.collect()
+        _release_destroyed_groups(device_type)
     return violations
+
+
+def _release_destroyed_groups(device_type: str) -> None:
+    # DTensor caches results by mesh *value*: the next test's equal mesh would get back
+    # this test's mesh object, whose groups are gone (issue 3).
+    _torch_private.forget_dtensor_caches(device_type)
+    # A destroyed group lives on while the test's objects (modules, meshes, pipeline
+    # stages) that hold it sit in reference cycles, which only a full collection frees.
+    # Its backend keeps its threads and sockets meanwhile: gloo's event loops spin once
+    # peers close their ends, so a warm pool would burn CPU and grow by dozens of threads
+    # per test.
+    gc.collect()
 
 
 def _leaked_threads(before: Snapshot) -> list[str]:

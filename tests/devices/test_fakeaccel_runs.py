@@ -143,11 +143,11 @@ def test_parallel_workers_lease_disjoint_fake_devices(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("impl", ["reference", "torch"])
-def test_conformance_quick_at_ws_2_and_4_on_one_shared_fake_device(tmp_path, impl):
+@pytest.mark.parametrize("implementation", ["reference", "torch"])
+def test_conformance_quick_at_ws_2_and_4_on_one_shared_fake_device(tmp_path, implementation):
     report = _conformance(
         tmp_path,
-        "--impl", impl, "--dist-share-devices", "--world-sizes", "2,4",
+        "--impl", implementation, "--dist-share-devices", "--world-sizes", "2,4",
         env={"FAKEACCEL_DEVICE_COUNT": "1"},
     )  # fmt: skip
     assert report["summary"]["counts"]["FAIL"] == 0
