@@ -66,11 +66,13 @@ def clean_up_after_test(before: Snapshot, device_type: str = "cpu") -> list[str]
     Call it on the thread that ran the test: DTensor's caches of meshes over the destroyed
     groups are dropped with them, and one of those caches is per thread.
     """
-    violations = _destroy_new_groups(before, device_type)
-    violations += _leaked_threads(before)
-    violations += _changed_env(before)
-    violations += _changed_torch_globals(before)
-    return violations
+    return _destroy_new_groups(before, device_type) + changes_to_the_process(before)
+
+
+def changes_to_the_process(before: Snapshot) -> list[str]:
+    """What a test left changed in its process besides its groups: threads it started and
+    left running, environment variables, torch's process-wide switches."""
+    return _leaked_threads(before) + _changed_env(before) + _changed_torch_globals(before)
 
 
 def _changed_torch_globals(before: Snapshot) -> list[str]:

@@ -19,7 +19,7 @@ from harness.rank.thread_host_exit import note_path, record_rank_exits
 from harness.rank.thread_ranks import ThreadPool
 from harness.shared.gc_freeze import freeze_heap
 from harness.shared.outcomes import Outcome, RankResult, RunResult
-from harness.shared.protocol import ThreadHostRun, WorkerSpec
+from harness.shared.protocol import ThreadHostDone, ThreadHostRun, WorkerSpec
 from harness.shared.rank_output import end_marker_line
 
 
@@ -62,9 +62,10 @@ def serve_thread_host(spec: WorkerSpec) -> None:
             return
         try:
             run = pool.run(request.task, request.deadline, request.peer_grace)
+            reusable = not pool.broken
         except Exception as exc:
-            run = _host_error(request, exc)
+            run, reusable = _host_error(request, exc), False
         sys.stdout.flush()
         sys.stderr.flush()
         os.write(1, end_marker_line(request.task.task_id))
-        conn.send(run)
+        conn.send(ThreadHostDone(run, reusable))

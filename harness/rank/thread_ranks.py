@@ -7,11 +7,15 @@ pass aborts the run at once, so its peers are released from their collectives in
 waiting for the deadline.
 
 The runner's rank threads and their groups serve task after task, as a process pool's
-ranks do; the runner itself starts new groups after a run that did not pass. The pool is
-still marked broken after anything but a clean pass: the test may have changed
-process-global state, and the thread host (harness/controller/thread_host/pool.py) is then replaced.
-After a hang the abandoned threads live on: the caller should replace the host process,
-as the runner says.
+ranks do; the runner itself starts new groups after a run that did not pass, so a failure
+leaves the next test neither a stray collective nor an abort flag. What the rank threads
+share is the process: after every run, passed or not, the pool compares it with how the
+run found it (threads the test left running, environment variables, torch's process-wide
+switches, as a process rank's hygiene check does). A change is reported on every rank, whose
+threads share the process, and marks the pool broken, as does a hang, whose abandoned
+threads live on: the thread host (harness/controller/thread_host/pool.py) is then replaced.
+A failure that changed nothing keeps the host: starting one costs more than a test of a
+``MultiThreadedTestCase`` class.
 
 Each rank thread records its collectives like a rank process does (harness/comm/flight.py),
 into files in the pool's private temp dir; after a run that did not pass, the report names
@@ -29,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from harness.comm import flight, flight_files
+from harness.rank import hygiene
 from harness.rank.execute import run_task
 from harness.shared.outcomes import Outcome, RankResult, RunResult
 from harness.shared.rank_context import RankContext
@@ -133,6 +138,7 @@ class ThreadPool:
         # and reports it as its own failure, with its traceback.
         with contextlib.suppress(Exception):
             ensure_modules(task)
+        process_before = hygiene.take_snapshot()
         started = time.monotonic()
         recorders = _Recorders()
         run = self._runner.run(
@@ -141,8 +147,14 @@ class ThreadPool:
         recorders.abandon_unexited()
         results = [_task_result(r) for r in run.results]
         notes = list(run.harness_notes)
+        if self._runner.usable:
+            left = hygiene.changes_to_the_process(process_before)
+            for result in results:
+                result.hygiene.extend(left)
+            self.broken = self.broken or bool(left)
+        else:
+            self.broken = True  # a hung thread lives on, and may change the process yet
         if not run.ok:
-            self.broken = True
             traces = flight_files.read_traces(self._trace_dir, self.world_size)
             states = {r.rank: r.outcome.value for r in results}
             if (comm_note := flight_files.diagnosis_note(traces, states)) is not None:

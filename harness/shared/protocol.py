@@ -12,6 +12,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from harness.shared.outcomes import RunResult
 from harness.shared.task import RankTask
 
 # Exit code of a rank whose parent went away: distinguishable from a test's own exit.
@@ -64,3 +65,13 @@ class ThreadHostRun:
     deadline: float
     peer_grace: float
     task_world_size: int
+
+
+@dataclass(frozen=True)
+class ThreadHostDone:
+    """The thread host's answer to a :class:`ThreadHostRun`."""
+
+    run: RunResult
+    #: Whether the host can serve another task: no rank thread hung, and the run left the
+    #: process as it found it.
+    reusable: bool

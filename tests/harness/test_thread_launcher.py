@@ -1,4 +1,5 @@
-"""--launcher thread: rank threads in a host process that is replaced after a hang."""
+"""--launcher thread: rank threads in a host process that is replaced after a hang or a test
+that left it changed, and kept after a failure that changed nothing."""
 
 from __future__ import annotations
 
@@ -58,6 +59,28 @@ def test_an_error_in_one_rank_thread_fails_the_test_and_releases_the_others(thre
     peers = [r for r in result.results if r.rank != 1]
     assert all(r.outcome is Outcome.ABORTED_BY_PEER for r in peers)
     assert result.finished_at - result.started_at < 5
+
+
+def test_a_failure_that_changed_nothing_keeps_the_host(thread_pools):
+    assert run(thread_pools, rank_bodies.all_reduce_rank_sum).ok
+    host_pid = thread_pools._pools[THREAD_KEY].pids[0]
+    failed = run(thread_pools, rank_bodies.raise_on, 1)
+    assert failed.primary_failure() is failed.results[1]
+    after = run(thread_pools, rank_bodies.all_reduce_rank_sum)
+    assert after.values == [10.0] * 4
+    assert thread_pools._pools[THREAD_KEY].pids == [host_pid]
+    assert thread_pools.spawn_count == 1
+
+
+def test_a_test_that_leaves_the_host_changed_gets_it_replaced(thread_pools):
+    leaky = run(thread_pools, rank_bodies.leak_an_env_var)  # sets it in the host process
+    assert leaky.ok
+    assert sorted(leaky.hygiene_violations) == [0, 1, 2, 3]
+    assert all("DISTCONFORM_LEAKED" in " ".join(v) for v in leaky.hygiene_violations.values())
+    # The next test does not see the variable: it runs in a new host.
+    after = run(thread_pools, rank_bodies.rng_state_digest)
+    assert [env for _, env in after.values] == [None] * 4
+    assert thread_pools.spawn_count == 2
 
 
 def test_rank_threads_draw_from_their_own_generators(thread_pools):

@@ -3,9 +3,11 @@ RankTasks."""
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -86,6 +88,55 @@ def test_failure_is_primary_and_peers_are_released():
         assert "because rank 1 failed: ValueError: deliberate failure on rank 1" in (
             run.results[peer].error_message
         )
+
+
+def test_a_failure_that_changed_nothing_leaves_the_pool_serving():
+    pool = ThreadPool(3)
+    try:
+        failed = pool.run(_task(raise_on, 1), deadline=30.0, peer_grace=1.0)
+        assert not failed.ok and not failed.hygiene_violations
+        assert not pool.broken
+        # The next run joins a new world: the failed run's abort does not reach it.
+        after = pool.run(_task(rank_sum_and_context), deadline=30.0, peer_grace=1.0)
+        assert after.ok, after
+        assert after.values == [(6.0, r, "thread") for r in range(3)]
+    finally:
+        pool.close()
+
+
+def set_a_variable_then_raise_on(bad_rank: int) -> None:
+    if dist.get_rank() == bad_rank:
+        os.environ["DISTCONFORM_LEFT_BY_A_FAILURE"] = "1"
+        raise ValueError("deliberate failure after changing the environment")
+    dist.barrier()
+
+
+def start_a_thread() -> None:
+    if dist.get_rank() == 0:
+        threading.Thread(target=_release.wait, args=(30,), name="left-running", daemon=True).start()
+
+
+@pytest.mark.parametrize(
+    ("body", "args", "violation"),
+    [
+        (set_a_variable_then_raise_on, (1,), "DISTCONFORM_LEFT_BY_A_FAILURE"),
+        (start_a_thread, (), "thread 'left-running' started by the test is still running"),
+    ],
+    ids=["a failure that set a variable", "a pass that left a thread running"],
+)
+def test_a_run_that_changed_the_process_breaks_the_pool(body, args, violation, monkeypatch):
+    monkeypatch.delenv("DISTCONFORM_LEFT_BY_A_FAILURE", raising=False)
+    _release.clear()
+    pool = ThreadPool(2)
+    try:
+        run = pool.run(_task(body, *args), deadline=30.0, peer_grace=1.0)
+    finally:
+        pool.close()
+        _release.set()
+    # The ranks share the process: which of them changed it is unknown, so every rank
+    # carries the violation, and the pool (its host, under the thread launcher) is replaced.
+    assert sorted(run.hygiene_violations) == [0, 1]
+    assert all(violation in " ".join(v) for v in run.hygiene_violations.values())
     assert pool.broken
 
 

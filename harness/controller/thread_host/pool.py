@@ -4,9 +4,10 @@ Rank threads cannot be killed. Running them inside pytest would leave a hung ran
 spinning in the pytest process for the rest of the session, so the threads live in a
 host process forked from the fork server, like a process rank. The host runs each
 task on its :class:`~harness.rank.thread_ranks.ThreadPool` and sends back the judged
-``RunResult``; when a run did not pass cleanly (a hung thread may still be spinning)
-the parent kills the host and the next test gets a new one. This module is the
-parent's side; the host's own loop is :mod:`harness.rank.thread_host`.
+``RunResult`` and whether it can serve another task; when it cannot (a hung thread may
+still be spinning, or the test left the process changed) the parent kills the host and
+the next test gets a new one. A test that failed and changed nothing keeps the host.
+This module is the parent's side; the host's own loop is :mod:`harness.rank.thread_host`.
 """
 
 from __future__ import annotations
@@ -61,9 +62,11 @@ class ThreadHostPool(ProcessPool):
         mark = host.output.mark()
         started = time.monotonic()
         host.conn.send(ThreadHostRun(task, deadline, peer_grace, self.spec.world_size))
+        reusable = False
         if wait([host.conn], timeout=deadline + _HOST_MARGIN_S):
             try:
-                run = host.conn.recv()
+                done = host.conn.recv()
+                run, reusable = done.run, done.reusable
             except (EOFError, OSError):
                 run = self._host_died(task, host, started, deadline)
         else:
@@ -75,8 +78,9 @@ class ThreadHostPool(ProcessPool):
         stray = host.output.text_since(mark)
         if stray.strip():
             run.harness_notes.append(f"output of the thread host outside the ranks:\n{stray}")
-        if not run.ok or run.by_outcome(Outcome.HUNG):
-            # A hung rank thread may still be spinning: only a new host is clean.
+        if not reusable:
+            # A hung rank thread may still be spinning, or the test left the process
+            # changed: only a new host is clean.
             self.kill()
         return run
 
