@@ -16,6 +16,8 @@ plugins import it before anything has imported torch (torch is imported on first
 
 from __future__ import annotations
 
+import importlib.metadata
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -31,9 +33,19 @@ SUPPORTED_TORCH: tuple[Version, ...] = (V2_11, V2_12, V2_13, V2_14, V2_15)
 
 
 def installed_torch_version() -> Version:
-    import torch  # on first use: see the module docstring
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        version = torch.__version__
+    else:
+        # Read from torch's installed metadata, not by importing it: the plugins ask at
+        # configure, before the rank fork server starts importing torch beside pytest.
+        try:
+            version = importlib.metadata.version("torch")
+        except importlib.metadata.PackageNotFoundError:  # a source tree on sys.path
+            import torch  # on first use: see the module docstring
 
-    major, minor = torch.__version__.split("+")[0].split(".")[:2]
+            version = torch.__version__
+    major, minor = version.split("+")[0].split(".")[:2]
     return int(major), int(minor)
 
 

@@ -36,10 +36,19 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
 
 
+def adoption_requested(config: pytest.Config) -> bool:
+    adopt = config.getoption("dist_adopt")
+    return bool(adopt or (adopt is None and config.getini("dist_adopt")))
+
+
+def pytest_distconform_expects_ranks(config: pytest.Config) -> bool | None:
+    # A session that adopts torch's classes is there to run them on ranks.
+    return True if adoption_requested(config) else None
+
+
 @pytest.hookimpl(trylast=True)  # after harness.plugin has stored the session's settings
 def pytest_configure(config: pytest.Config) -> None:
-    adopt = config.getoption("dist_adopt")
-    if adopt or (adopt is None and config.getini("dist_adopt")):
+    if adoption_requested(config):
         from harness.adopt import plugin as adopt_plugin  # torch's test package, only if asked
 
         config.pluginmanager.register(adopt_plugin, adopt_plugin.PLUGIN_NAME)

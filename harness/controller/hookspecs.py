@@ -14,6 +14,17 @@ def pytest_distconform_reproducer_args(config: pytest.Config) -> list[str]:
 
 
 @pytest.hookspec(firstresult=True)
+def pytest_distconform_expects_ranks(config: pytest.Config) -> bool | None:
+    """True when this session is sure to run distributed tests whose ranks load
+    ``torch._dynamo`` from the start (torch's own test package imports it): the rank fork
+    server then starts at configure, its torch import beside pytest's own, and loads that
+    too before its first fork, once for every rank.
+
+    Asked once, at configure, before torch is imported; the first plugin to answer decides.
+    """
+
+
+@pytest.hookspec(firstresult=True)
 def pytest_distconform_pool_choice(item: pytest.Item):
     """Where a distributed item runs, when not on the session's launcher and backend, or on
     a pool of its own: a :class:`harness.controller.item_settings.PoolChoice`, or None.

@@ -89,27 +89,32 @@ RAN_DISTRIBUTED_CACHE_KEY = "distconform/collected_distributed_tests"
 
 
 def prestart_if_expected(config: pytest.Config) -> None:
-    """Start the rank fork server at once when the last session here collected distributed
-    tests: its torch import then runs beside the pytest process's own, not after it.
+    """Start the rank fork server at once when a plugin says this session runs distributed
+    tests (``--dist-adopt``: warm, see the hook), or the last session here collected some:
+    its torch import then runs beside the pytest process's own, not after it.
 
     Called before anything in this process imports torch. Otherwise the first distributed
     test collected starts it (``pytest_itemcollected``).
     """
     cache = getattr(config, "cache", None)  # None with -p no:cacheprovider
-    if cache is not None and cache.get(RAN_DISTRIBUTED_CACHE_KEY, False) is True:
-        _start_fork_server(config, requested_launcher(config))
+    announced = config.hook.pytest_distconform_expects_ranks(config=config)
+    expected = announced or (
+        cache is not None and cache.get(RAN_DISTRIBUTED_CACHE_KEY, False) is True
+    )
+    if expected:
+        _start_fork_server(config, requested_launcher(config), warm=bool(announced))
 
 
-def _start_fork_server(config: pytest.Config, launcher: str) -> None:
+def _start_fork_server(config: pytest.Config, launcher: str, warm: bool = False) -> None:
     """Start it once per session, for the launchers that fork ranks from it, and never for
-    a session that only collects."""
+    a session that only collects; ``warm``: see ``Zygote.prestart``."""
     config.stash[PRESTARTED_KEY] = True
     try:
         starts_ranks = launcher_named(launcher).starts_ranks
     except ConfigError:
         return  # reported, as a usage error, at configure
     if starts_ranks and not config.option.collectonly:
-        shared_zygote().prestart()
+        shared_zygote().prestart(warm)
 
 
 @pytest.hookimpl(trylast=True)

@@ -25,6 +25,7 @@ import traceback
 
 from harness.rank import worker
 from harness.shared.gc_freeze import freeze_heap
+from harness.shared.protocol import ZYGOTE_WARM_AT_ONCE
 
 _MAX_MESSAGE = 1 << 20
 FDS_PER_SPAWN = 3
@@ -45,14 +46,15 @@ def _preload() -> None:
 _IDLE_S = 3.0
 
 
-def _warm_up_when_idle() -> None:
-    """Load, between requests, what a rank would otherwise load at first use.
+def warm_up() -> None:
+    """Load what a rank would otherwise load at first use.
 
     ``torch._dynamo`` costs every rank 0.6 s of CPU at its first DTensor call (see
     ``_torch_private.import_dynamo``). Importing it before the first pool would delay that
     pool (a 1-test session by 0.5 s); once the first ranks are forked and the zygote has
     idled ``_IDLE_S``, every later pool (another world size, a fresh or replaced pool) forks
-    with it loaded.
+    with it loaded. A session whose first ranks load it anyway (torch's own test package
+    imports it: ``--dist-adopt``) has the zygote warm up before its first fork instead.
     """
     from harness import _torch_private
 
@@ -92,7 +94,7 @@ def _become_rank(request: dict, fds: list[int], sock: socket.socket, wakeup_r: i
     worker.main(["worker", json.dumps(spec)])
 
 
-def serve(sock: socket.socket) -> None:
+def serve(sock: socket.socket, warm: bool = False) -> None:
     wakeup_r, wakeup_w = os.pipe()
     os.set_blocking(wakeup_w, False)
     signal.set_wakeup_fd(wakeup_w)
@@ -104,11 +106,11 @@ def serve(sock: socket.socket) -> None:
     # No watcher thread here: the zygote forks, so it must stay single-threaded.
     selector.register(0, selectors.EVENT_READ, "parent")
     children: set[int] = set()
-    warmed_up = False
+    warmed_up = warm
     while True:
         events = selector.select(None if warmed_up else _IDLE_S)
         if not events:
-            _warm_up_when_idle()
+            warm_up()
             warmed_up = True
             continue
         for key, _ in events:
@@ -156,11 +158,14 @@ def _reap(children: set[int], sock: socket.socket) -> None:
 def main() -> None:
     fd = int(sys.argv[1])
     worker.set_parent_death_signal(int(sys.argv[2]))
+    warm = sys.argv[3:] == [ZYGOTE_WARM_AT_ONCE]
     _preload()
+    if warm:
+        warm_up()
     # Forked ranks start with torch's objects frozen: their collections skip them, and
     # the pages holding them are not copied on write by the collector's bookkeeping.
     freeze_heap()
-    serve(socket.socket(fileno=fd))
+    serve(socket.socket(fileno=fd), warm)
     # Skip interpreter teardown with torch loaded (seconds): there is nothing to flush.
     os._exit(0)
 

@@ -17,6 +17,8 @@ from harness.shared.task import RankTask
 
 # Exit code of a rank whose parent went away: distinguishable from a test's own exit.
 EXIT_PARENT_GONE = 70
+#: The fork server's last argument when it is to warm up before its first fork.
+ZYGOTE_WARM_AT_ONCE = "--warm-at-once"
 BETWEEN_TESTS_TIMEOUT_S = 30.0
 
 

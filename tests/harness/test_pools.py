@@ -270,6 +270,39 @@ def test_the_fork_server_starts_at_configure_when_the_last_session_had_distribut
     assert started == ["False", "True", "False"]
 
 
+def test_adoption_starts_the_fork_server_at_configure_before_pytest_imports_torch(pytester):
+    pytester.makeconftest(
+        """
+        import sys
+
+        import pytest
+
+        from harness.controller.process.spawning import shared_zygote
+
+
+        @pytest.hookimpl(hookwrapper=True)
+        def pytest_distconform_expects_ranks(config):
+            with open("torch_when_asked.txt", "a") as handle:
+                handle.write(f"{'torch' in sys.modules}\\n")
+            yield
+
+
+        @pytest.hookimpl(trylast=True)
+        def pytest_configure(config):
+            with open("fork_server_at_configure.txt", "a") as handle:
+                handle.write(f"{shared_zygote().pid is not None}\\n")
+        """
+    )
+    pytester.makepyfile(test_plain="def test_plain():\n    pass\n")
+    for adopt in (["--dist-adopt"], []):
+        args = ["-p", "no:cacheprovider", *adopt, "test_plain.py"]
+        pytester.runpytest_subprocess(*args).assert_outcomes(passed=1)
+    # Every plugin's configure before the question left torch to the fork server.
+    assert (pytester.path / "torch_when_asked.txt").read_text().split() == ["False", "False"]
+    started = (pytester.path / "fork_server_at_configure.txt").read_text().split()
+    assert started == ["True", "False"]
+
+
 def test_a_fresh_pool_test_gets_ranks_no_other_test_used(pytester, monkeypatch):
     pytester.makepyfile(
         test_fresh="""

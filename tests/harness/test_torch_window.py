@@ -5,6 +5,8 @@ each refused with what to do)."""
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 import tomllib
 from pathlib import Path
 
@@ -63,6 +65,20 @@ def test_pyproject_allows_exactly_the_window():
 def test_installed_torch_version_reads_major_and_minor(monkeypatch, version, parsed):
     monkeypatch.setattr(torch, "__version__", version)
     assert torch_window.installed_torch_version() == parsed
+
+
+def test_the_version_is_read_without_importing_torch():
+    # The plugins ask at configure, before the rank fork server starts importing torch:
+    # an import here would put pytest's own torch import ahead of the fork server's.
+    script = (
+        "import sys; from harness import torch_window; "
+        "version = torch_window.installed_torch_version(); "
+        "print('torch' in sys.modules, version)"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    major, minor = torch.__version__.split(".")[:2]
+    assert done.stdout.split(maxsplit=1) == ["False", f"({major}, {minor})\n"]
 
 
 def test_the_installed_torch_is_in_the_window():

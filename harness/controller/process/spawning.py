@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import BinaryIO, Protocol
 
 import harness
+from harness.shared.protocol import ZYGOTE_WARM_AT_ONCE
 
 START_METHODS = ("forkserver", "spawn")
 _SPAWN_REPLY_TIMEOUT_S = 30.0
@@ -116,7 +117,7 @@ class Zygote:
         """The fork server's process id, if it is running."""
         return self._process.pid if self._process is not None and not self._dead else None
 
-    def _ensure_started(self) -> socket.socket:
+    def _ensure_started(self, warm: bool = False) -> socket.socket:
         if self._sock is not None and not self._dead:
             return self._sock
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -128,6 +129,7 @@ class Zygote:
                 "harness.rank.zygote",
                 str(theirs.fileno()),
                 str(os.getpid()),
+                *([ZYGOTE_WARM_AT_ONCE] if warm else []),
             ],
             stdin=subprocess.PIPE,
             pass_fds=(theirs.fileno(),),
@@ -161,11 +163,15 @@ class Zygote:
                     self._statuses[message["exited"]] = message["status"]
                 self._changed.notify_all()
 
-    def prestart(self) -> None:
+    def prestart(self, warm: bool = False) -> None:
         """Start the fork server now, without waiting for it: it imports torch while the
-        parent goes on (collecting tests), so the first pool does not wait for both."""
+        parent goes on (collecting tests), so the first pool does not wait for both.
+
+        ``warm``: it also loads, before its first fork, what it otherwise loads once idle
+        (:func:`harness.rank.zygote.warm_up`), for a session whose first ranks need it.
+        """
         with self._lock:
-            self._ensure_started()
+            self._ensure_started(warm)
 
     def spawn(self, spec_json: str, env: dict[str, str], control_fd: int) -> ForkedRank:
         with self._lock:
