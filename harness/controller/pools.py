@@ -32,6 +32,9 @@ class RankPool(Protocol):
         """Whether every rank is still there (a warm pool can lose ranks while idle)."""
         ...
 
+    # Optional: ``start_alone(timeout)``, for a pool whose processes may serve other keys'
+    # pools too: start on processes no other pool has used (a fresh-pool test).
+
     def run(self, task: RankTask, deadline: float, peer_grace: float) -> RunResult: ...
 
     def close(self, timeout: float = 10.0) -> None: ...
@@ -112,7 +115,7 @@ class PoolManager:
             # Ranks of its own: not the warm ones that earlier tests ran on.
             self._discard(key, recycled=False)
         try:
-            pool = self._acquire(key, start_budget)
+            pool = self._acquire(key, start_budget, fresh)
         except PoolStartFailure as exc:
             return RunResult(
                 results=exc.results,
@@ -150,20 +153,24 @@ class PoolManager:
         demote_secondary_failures(run)
         return run
 
-    def _acquire(self, key: PoolKey, start_budget: float | None) -> RankPool:
+    def _acquire(self, key: PoolKey, start_budget: float | None, fresh: bool = False) -> RankPool:
         pool = self._pools.get(key)
         if pool is not None and pool.alive():
             self._pools[key] = self._pools.pop(key)  # the most recently used comes last
             return pool
         if pool is not None:
-            # Its ranks died between tests (killed from outside, or their fork server
-            # went away): not this test's failure, so start a new pool for it.
-            self._discard(key)
+            # Its ranks died between tests (killed from outside, their fork server went
+            # away, or the thread host they shared was replaced): no test left it broken,
+            # and this one gets a new pool.
+            self._discard(key, recycled=False)
         pool = self._factory(key)
         self._make_room_for(pool, key)
         self.spawn_count += 1
+        # A pool whose processes serve other keys too (the thread launcher's one host)
+        # starts on processes of its own for a fresh-pool test.
+        start = getattr(pool, "start_alone", pool.start) if fresh else pool.start
         try:
-            pool.start(start_budget)
+            start(start_budget)
         except PoolStartFailure:
             raise
         except Exception as exc:

@@ -48,8 +48,8 @@ def serve_thread_host(spec: WorkerSpec) -> None:
     conn = Connection(spec.control_fd)
     record_rank_exits(note_path(spec.stack_path))
     # Temp files in the parent's pool directory: the parent removes it even after a crash.
-    pool = ThreadPool(spec.world_size, temp_root=os.path.dirname(spec.stack_path))
-    pool.start()
+    temp_root = os.path.dirname(spec.stack_path)
+    pools: dict[int, ThreadPool] = {}  # by world size: one host serves them all
     hold_wrappers()
     freeze_heap()
     conn.send(("ready", os.getpid()))
@@ -61,6 +61,11 @@ def serve_thread_host(spec: WorkerSpec) -> None:
         if request is None:
             return
         try:
+            pool = pools.get(request.task_world_size)
+            if pool is None:
+                pool = pools[request.task_world_size] = ThreadPool(
+                    request.task_world_size, temp_root=temp_root
+                )
             run = pool.run(request.task, request.deadline, request.peer_grace)
             reusable = not pool.broken
         except Exception as exc:

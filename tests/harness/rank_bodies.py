@@ -75,6 +75,10 @@ def describe_rank() -> dict:
     }
 
 
+def process_id() -> int:
+    return os.getpid()
+
+
 def scheduling_policy() -> int:
     return os.sched_getscheduler(0)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import signal
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 
 import psutil
@@ -81,6 +82,48 @@ def test_a_test_that_leaves_the_host_changed_gets_it_replaced(thread_pools):
     after = run(thread_pools, rank_bodies.rng_state_digest)
     assert [env for _, env in after.values] == [None] * 4
     assert thread_pools.spawn_count == 2
+
+
+THREAD_KEY_2 = replace(THREAD_KEY, world_size=2)
+
+
+def test_every_world_size_shares_one_host(thread_pools):
+    assert run(thread_pools, rank_bodies.all_reduce_rank_sum).values == [10.0] * 4
+    two = thread_pools.run(
+        THREAD_KEY_2, task_for(rank_bodies.all_reduce_rank_sum), deadline=20.0, peer_grace=0.5
+    )
+    assert two.values == [3.0] * 2
+    (host_pid,) = thread_pools._pools[THREAD_KEY].pids
+    assert thread_pools._pools[THREAD_KEY_2].pids == [host_pid]
+
+
+def test_a_host_replaced_for_one_world_size_serves_the_others_next(thread_pools):
+    assert run(thread_pools, rank_bodies.all_reduce_rank_sum).ok
+    (first_host,) = thread_pools._pools[THREAD_KEY].pids
+    leaky = thread_pools.run(
+        THREAD_KEY_2, task_for(rank_bodies.leak_an_env_var), deadline=20.0, peer_grace=0.5
+    )
+    assert leaky.hygiene_violations  # the host is replaced
+    after = run(thread_pools, rank_bodies.rng_state_digest)
+    assert [env for _, env in after.values] == [None] * 4
+    assert thread_pools._pools[THREAD_KEY].pids != [first_host]
+    # Only the pool the leaking test broke counts as replaced for a broken test.
+    assert thread_pools.recycle_count == 1
+
+
+def test_a_fresh_pool_test_gets_a_host_of_its_own(thread_pools):
+    assert run(thread_pools, rank_bodies.all_reduce_rank_sum).ok
+    (warm_host,) = thread_pools._pools[THREAD_KEY].pids
+    fresh = thread_pools.run(
+        THREAD_KEY_2,
+        task_for(rank_bodies.process_id),
+        deadline=20.0,
+        peer_grace=0.5,
+        fresh=True,
+    )
+    assert fresh.ok
+    (fresh_host,) = set(fresh.values)
+    assert fresh_host != warm_host
 
 
 def test_rank_threads_draw_from_their_own_generators(thread_pools):
