@@ -29,6 +29,7 @@ import argparse
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -134,6 +135,11 @@ def table(file_name: str, sessions: list[Session]) -> list[str]:
 RAN = ("passed", "failed")
 
 
+# How each harness words a test stopped for running too long: torch's ("Timing out after",
+# "timed out") and distconform's ("rank N hung", "did not answer within").
+_HANG = re.compile(r"\bhung\b|timed out|timing out|did not answer within", re.IGNORECASE)
+
+
 def summary_row(result: dict) -> dict:
     """One file's figures: torch's harness against the first adopted session."""
     torch_run, adopted = result["sessions"][0], result["sessions"][1]
@@ -142,9 +148,17 @@ def summary_row(result: dict) -> dict:
     def outcome(session: dict, name: str) -> str:
         return session["tests"].get(name, ["not run"])[0]
 
+    def how(session: dict, name: str) -> str:
+        """The outcome with its time, and whether it hung (a hang must cost only its own
+        deadline: the times show it did)."""
+        if name not in session["tests"]:
+            return "not run"
+        state, seconds, message = session["tests"][name]
+        hung = ", hung" if _HANG.search(message or "") else ""
+        return f"{state} ({seconds:.1f} s{hung})"
+
     differences = [
-        f"{name}: {outcome(torch_run, name)} under torch's harness, {outcome(adopted, name)} "
-        f"adopted"
+        f"{name}: {how(torch_run, name)} under torch's harness, {how(adopted, name)} adopted"
         for name in names
         if outcome(torch_run, name) != outcome(adopted, name)
     ]
