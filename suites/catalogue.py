@@ -12,7 +12,8 @@ the catalogue gives its description, the upstream test it mirrors, its world siz
 capabilities it needs (also per grid value), what a CPU run does with it and the suite function
 that implements it (found by reading the module for ``@conformance("<id>")``, without importing
 it). The profiles come first, the generated one-capability extensions included, then the
-public API coverage (``suites/api_coverage.toml``, ``suites/backend/api_coverage.toml``).
+public API coverage (``suites/coverage/*.toml``, one table per API family the suites claim, and
+``suites/backend/api_coverage.toml``).
 """
 
 from __future__ import annotations
@@ -22,9 +23,10 @@ import ast
 import re
 import sys
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
-from suites.api_coverage import BACKEND_COVERAGE_FILE, COVERAGE_FILE, ApiRow, parse_coverage
+from suites.api_coverage import BACKEND_COVERAGE_FILE, FAMILIES, ApiRow, parse_coverage
 from suites.cases import (
     BACKEND,
     BACKEND_CASES_FILE,
@@ -182,52 +184,93 @@ def _profile_rows(profiles: Sequence[Profile]) -> list[str]:
     return lines
 
 
-#: subject -> (its coverage table, what the table lists).
-COVERAGE = {
-    IMPLEMENTATION: (
-        COVERAGE_FILE,
-        "Every public name of torch's FSDP2 in the releases distconform supports: "
-        "`torch.distributed.fsdp` (each function's arguments, each policy's fields, each "
-        "method of `FSDPModule` and `UnshardHandle`) and FSDP2's `replicate`, from "
-        "`suites/api_coverage.toml`.",
-    ),
-    BACKEND: (
-        BACKEND_COVERAGE_FILE,
-        "Every public name of torch's c10d Python API "
-        "(`torch.distributed.distributed_c10d.__all__`) in the releases distconform supports, "
-        "from `suites/backend/api_coverage.toml`.",
-    ),
+@dataclass(frozen=True)
+class CoverageSection:
+    """One coverage table as the catalogue shows it."""
+
+    title: str
+    scope: str
+    table: Path
+    rows: Sequence[ApiRow]
+
+
+#: subject -> (title, what the table lists, its file) of each of its coverage tables.
+COVERAGE_TABLES = {
+    IMPLEMENTATION: [(family.title, family.scope, family.table) for family in FAMILIES],
+    BACKEND: [
+        (
+            "c10d: `torch.distributed.distributed_c10d`",
+            "Every public name of torch's c10d Python API "
+            "(`torch.distributed.distributed_c10d.__all__`).",
+            BACKEND_COVERAGE_FILE,
+        )
+    ],
+}
+
+_STATUSES = ("covered", "out of scope", "uncovered")
+
+#: subject -> what its coverage tables promise and what holds them to it.
+COVERAGE_INTRO = {
+    IMPLEMENTATION: "Every public name of the APIs the suites claim, in the releases distconform "
+    "supports, generated from the installed torch (`suites/api_surface.py`): each argument, "
+    "field and method, and each value class of an argument whose annotation offers a choice "
+    "(`fully_shard(reshard_after_forward=int)`, `StateDictOptions.strict=False`). "
+    "`tests/suites/test_api_coverage.py` fails when the installed torch has a name no row lists "
+    "or a row leaves uncovered. A covered name's cases are proven, not claimed: "
+    "`tests/suites/test_parameter_mutants.py` runs each name's mutant (the argument dropped, the "
+    "value replaced by another class, the setter doing nothing) on the cases' quick items and "
+    "requires a failure.",
+    BACKEND: "Every public name of torch's c10d Python API in the releases distconform "
+    "supports. `tests/suites/test_api_coverage.py` fails when the installed torch has a public "
+    "name no row lists.",
 }
 
 
-def _coverage_section(rows: Sequence[ApiRow], subject: str) -> list[str]:
-    names = sum(len(row.names) for row in rows)
-    counts = {
-        status: sum(len(row.names) for row in rows if row.status == status)
-        for status in ("covered", "out of scope", "uncovered")
+def _counts(rows: Sequence[ApiRow]) -> dict[str, int]:
+    return {
+        status: sum(len(row.names) for row in rows if row.status == status) for status in _STATUSES
     }
+
+
+def _coverage_section(sections: Sequence[CoverageSection], subject: str) -> list[str]:
     lines = [
         "## Public API coverage",
         "",
-        f"{COVERAGE[subject][1]} `tests/suites/test_api_coverage.py` fails when the "
-        "installed torch has a public name no row lists. "
-        f"{names} names: {counts['covered']} exercised by cases, {counts['out of scope']} out "
-        f"of scope, {counts['uncovered']} uncovered (what a case would have to check is "
-        "stated: no case passes them).",
+        COVERAGE_INTRO[subject],
         "",
-        "| names | since | status | cases, or why not |",
-        "|---|---|---|---|",
+        "| table | names | covered | out of scope | uncovered |",
+        "|---|---:|---:|---:|---:|",
     ]
-    for row in rows:
-        if row.cases:
-            why = ", ".join(_code(case) for case in row.cases)
-        else:
-            why = row.out_of_scope or row.uncovered
-        names_cell = ", ".join(_code(name) for name in row.names)
-        status = row.status if row.cases else f"**{row.status}**"
-        since = f"{row.since} ({row.build})" if row.build else row.since
-        lines.append("| " + " | ".join(_cell(c) for c in (names_cell, since, status, why)) + " |")
-    return [*lines, ""]
+    for section in sections:
+        counts = _counts(section.rows)
+        link = f"[{section.title}](#{_anchor(section.title)})"
+        total = sum(counts.values())
+        lines.append(
+            f"| {_cell(link)} | {total} | {counts['covered']} | {counts['out of scope']} "
+            f"| {counts['uncovered']} |"
+        )
+    lines.append("")
+    for section in sections:
+        lines += [
+            f"### {section.title}",
+            "",
+            f"{section.scope} From `{_display(section.table)}`.",
+            "",
+            "| names | since | status | cases, or why not |",
+            "|---|---|---|---|",
+        ]
+        for row in section.rows:
+            if row.cases:
+                why = ", ".join(_code(case) for case in row.cases)
+            else:
+                why = row.out_of_scope or row.uncovered
+            names_cell = ", ".join(_code(name) for name in row.names)
+            status = row.status if row.cases else f"**{row.status}**"
+            since = f"{row.since} ({row.build})" if row.build else row.since
+            cells = (names_cell, since, status, why)
+            lines.append("| " + " | ".join(_cell(cell) for cell in cells) + " |")
+        lines.append("")
+    return lines
 
 
 def _anchor(title: str) -> str:
@@ -241,10 +284,10 @@ def render(
     *,
     suites_dir: Path = SUITES_DIR,
     subject: str = IMPLEMENTATION,
-    coverage: Sequence[ApiRow] = (),
+    coverage: Sequence[CoverageSection] = (),
 ) -> str:
     """The catalogue for the table ``text`` whose parsed cases are ``cases``, with the
-    public API coverage ``coverage``."""
+    public API coverage tables ``coverage``."""
     known = known_capabilities(subject)
     profiles = with_extensions(parse_profiles(text, known_capabilities=known), known)
     who, capability_list, table = _SUBJECT_WORDS[subject]
@@ -319,7 +362,10 @@ def render_file(cases_file: Path = CASES_FILE, subject: str = IMPLEMENTATION) ->
     """The catalogue for a case table file validated like the project's table (its suites are
     looked up in ``suites/``; with its public API coverage table), and its number of cases."""
     cases = read_cases(cases_file, subject)
-    coverage = parse_coverage(COVERAGE[subject][0].read_text(), cases)
+    coverage = [
+        CoverageSection(title, scope, table, parse_coverage(table.read_text(), cases))
+        for title, scope, table in COVERAGE_TABLES[subject]
+    ]
     return render(cases_file.read_text(), cases, subject=subject, coverage=coverage), len(cases)
 
 
