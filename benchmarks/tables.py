@@ -11,8 +11,8 @@ marker::
 
 ``python benchmarks/tables.py`` rewrites every marked table from its file, with the
 formatter of the benchmark that wrote it (``harness_overhead.format_table``,
-``impl_step.format_tables``, ``adopt_torch_files.format_summary``, the GPU check's own
-Markdown); ``--check`` exits 1 while a page
+``impl_step.format_tables``, ``adopt_torch_files.format_summary``,
+``mutation_report.format_table``, the GPU check's own Markdown); ``--check`` exits 1 while a page
 differs from what its files give (``tests/test_docs.py`` runs it), so no table can drift
 from its measurements by hand.
 """
@@ -35,10 +35,11 @@ sys.path.insert(0, str(ROOT))
 import adopt_torch_files  # noqa: E402  (scripts beside this one, not a package)
 import harness_overhead  # noqa: E402
 import impl_step  # noqa: E402
+import mutation_report  # noqa: E402
 
 from harness.gpu_check.report import as_markdown  # noqa: E402
 
-PAGES = ("README.md", "docs/benchmarks.md", "docs/gpu.md")
+PAGES = ("README.md", "docs/benchmarks.md", "docs/gpu.md", "docs/mutation.md")
 _TABLE = re.compile(r"<!-- table: (?P<source>\S+) -->\n.*?<!-- end table -->", re.DOTALL)
 
 
@@ -64,12 +65,17 @@ def adopt_summary_table(data: list[dict[str, Any]]) -> str:
     return adopt_torch_files.format_summary(data)
 
 
+def mutation_table(data: dict[str, Any]) -> str:
+    return mutation_report.format_table(data)
+
+
 #: Which formatter renders a JSON file, by the start of its name.
 FORMATTERS: dict[str, Callable[[Any], str]] = {
     "adopt_torch_files": adopt_summary_table,
     "harness_overhead": harness_overhead_table,
     "impl_step": impl_step_tables,
     "gpu-check": gpu_check_table,
+    "mutation": mutation_table,
 }
 
 

@@ -28,10 +28,6 @@ class MixedPrecisionPolicy:
     output_dtype: torch.dtype | None = None
     cast_forward_inputs: bool = True
 
-    @property
-    def is_full_precision(self) -> bool:
-        return self.param_dtype is None and self.reduce_dtype is None and self.output_dtype is None
-
 
 @dataclass(frozen=True)
 class OffloadPolicy:
