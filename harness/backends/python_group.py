@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 
@@ -20,6 +21,11 @@ class PythonProcessGroup(dist.ProcessGroup):
     backends it created and raises for a group written in Python ("No backend type
     associated with device type cpu"). This group answers for itself, and since it has no
     ``supports_coalescing``, torch issues the operations one by one, as it does before 2.14.
+
+    torch also asks a group which device types it serves (``_device_types``): the distributed
+    state dict's broadcast from rank 0 stages tensors on the first one unless the tensor's own
+    device is among them. c10d lists the backends it registered, none for a group written in
+    Python; this group serves the CPU and the accelerator (if there is one) itself.
     """
 
     def __init__(self, rank: int, size: int, *, name: str, backend_name: str) -> None:
@@ -36,3 +42,11 @@ class PythonProcessGroup(dist.ProcessGroup):
 
     def _get_backend(self, device: Any) -> PythonProcessGroup:
         return self
+
+    @property
+    def _device_types(self) -> list[torch.device]:
+        devices = [torch.device("cpu")]
+        accelerator = torch.accelerator.current_accelerator()
+        if accelerator is not None:
+            devices.append(torch.device(accelerator.type))
+        return devices

@@ -174,9 +174,14 @@ class ParamGroup:
         on_grad_accumulated = weakref.WeakMethod(self._on_grad_accumulated)
         for index, p in enumerate(self.params):
             assert p.unsharded_param is not None
+            # torch refuses the hook on a tensor that needs no gradient, and a parameter frozen
+            # before fully_shard may be unfrozen later: register it while requiring one.
+            frozen = not p.unsharded_param.requires_grad
+            p.unsharded_param.requires_grad_(True)
             p.unsharded_param.register_post_accumulate_grad_hook(
                 lambda _param, index=index: on_grad_accumulated()(index)
             )
+            p.unsharded_param.requires_grad_(not frozen)
         # state_dict() and load_state_dict() deal in the sharded parameters whatever state the
         # group is in: it reshards first, on every module that registers one of its parameters
         # (so a state dict of any submodule is sharded too). Weakly, for the same reason.
@@ -364,17 +369,24 @@ class ParamGroup:
     def _on_grad_accumulated(self, index: int) -> None:
         self._grads_ready.add(index)
         if len(self._grads_ready) >= self._grads_expected:
-            self.post_backward()
+            # A frozen parameter's last use in backward (the gradient of its input) may still
+            # be ahead when the trainable ones' gradients are complete: the reduction can go,
+            # the reshard waits for the end of backward, which reshards every group.
+            self.post_backward(reshard=not self._holds_frozen_params())
 
-    def post_backward(self) -> None:
-        """Reduce the accumulated gradients (if syncing) and reshard (if asked to)."""
+    def _holds_frozen_params(self) -> bool:
+        return any(not p.unsharded_param.requires_grad for p in self.params)
+
+    def post_backward(self, *, reshard: bool = True) -> None:
+        """Reduce the accumulated gradients (if syncing) and reshard (if asked to, and if
+        ``reshard``)."""
         self._grads_ready.clear()
         if self.requires_gradient_sync:
             self._reduce_gradients()
         else:
             for p in self.params:
                 p.stash_unsharded_grad(self.reduce_dtype)
-        if self.reshard_after_backward:
+        if reshard and self.reshard_after_backward:
             self.reshard()
 
     def _reduce_gradients(self) -> None:
