@@ -82,6 +82,8 @@ class FSDPModule:
             if state.group is not None and not state.replicated:
                 state.group.reshard_after_forward = reshard_after_forward
                 state.group.post_forward_mesh = None  # a bool means all or nothing
+                # Called before the first forward, it must outlive lazy init's defaults.
+                state.requested_reshard_after_forward = reshard_after_forward
 
     def set_reshard_after_backward(
         self, reshard_after_backward: bool, *, recurse: bool = True
