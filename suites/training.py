@@ -183,6 +183,7 @@ def train_with_parity(
     reference_group=None,
     model_context: Callable[[], contextlib.AbstractContextManager] | None = None,
     schedule: ShardingPlan | None = None,
+    between_steps: Callable[[int, nn.Module, nn.Module], None] | None = None,
 ) -> None:
     """Train ``model`` (distributed by ``distribute``) next to an explicitly averaged copy.
 
@@ -193,6 +194,8 @@ def train_with_parity(
     distributed model's forward and backward only (delay injection must not slow the
     reference's own all-reduces). The reference is copied before ``distribute`` runs, so
     structural wrappers that ``distribute`` adds show up in ``prefixes_to_ignore``.
+    ``between_steps(step, model, reference)`` runs after each step's optimizer steps (to change
+    both models alike, freezing parameters say).
     """
     reference = ReferenceModel(model, make_optimizer, group=reference_group)
     distribute(model)
@@ -235,6 +238,8 @@ def train_with_parity(
         assert_sharded_parity(
             reference.module, model, check_grads=False, prefixes_to_ignore=prefixes_to_ignore
         )
+        if between_steps is not None:
+            between_steps(step, model, reference.module)
 
 
 def train_width_stack(

@@ -12,6 +12,9 @@ in one collective and reduce-scatters the padded full gradients in one, so per r
   ``sum of padded_numel / k``
 * ``replicate`` (``S = 1``): the all-reduce carries every element once, no padding.
 
+A frozen parameter (``requires_grad=False``) is gathered like the others but has no gradient:
+the reductions carry the trainable parameters only (:meth:`GroupLayout.only`).
+
 Nothing here looks at an implementation: the inputs are the plain parameters' shapes.
 """
 
@@ -32,6 +35,8 @@ class ParamShape:
     shape: tuple[int, ...]
     dtype: torch.dtype
     shard_dim: int = 0
+    #: Which module of its group the name is relative to (a ``fully_shard([a, b])`` group).
+    module_index: int = 0
 
     @property
     def numel(self) -> int:
@@ -62,6 +67,11 @@ class GroupLayout:
 
     def padded_numel(self, shard_size: int) -> int:
         return sum(p.padded_numel(shard_size) for p in self.params)
+
+    def only(self, keep: Iterable[ParamShape]) -> GroupLayout:
+        """The layout of the parameters in ``keep``, in this layout's order."""
+        kept = set(keep)
+        return GroupLayout(tuple(p for p in self.params if p in kept))
 
     def numel(self) -> int:
         return sum(p.numel for p in self.params)

@@ -243,20 +243,21 @@ class Oracle:
 
     def _reduce(self, group: GroupPlan, start: int) -> None:
         flags = self.flags[id(group)]
-        if group.layout.empty or not flags.requires_gradient_sync:
+        layout = group.trainable_layout()
+        if layout.empty or not flags.requires_gradient_sync:
             return
         deadline = self._reduction_deadline(group, start)
         dtype = dtype_name(group.gradient_dtype)
         op = "SUM" if flags.force_sum_reduction else None
         shard_size = group.ranks.shard_size
-        per_rank = group.layout.padded_numel(shard_size) // shard_size
+        per_rank = layout.padded_numel(shard_size) // shard_size
         self._block += 1
         if shard_size > 1:
             self._add(
                 "reduce_scatter",
                 group.ranks.shard,
                 dtype,
-                group.layout.padded_numel(shard_size),
+                layout.padded_numel(shard_size),
                 group,
                 f"gradients of {group.name}",
                 start,

@@ -124,6 +124,15 @@ class GroupPlan:
     def contains(self, module: nn.Module) -> bool:
         return any(module is sub for own in self.modules for sub in own.modules())
 
+    def trainable_layout(self) -> GroupLayout:
+        """The layout of the parameters that require a gradient now: users freeze and unfreeze
+        the registered parameters between steps, and only the trainable ones are reduced."""
+        return self.layout.only(
+            shape
+            for shape in self.layout.params
+            if self.modules[shape.module_index].get_parameter(shape.name).requires_grad
+        )
+
 
 class ShardingPlan:
     """Shards through ``impl`` and records each group for the schedule oracle.
@@ -171,17 +180,14 @@ class ShardingPlan:
         owned = {id(p) for g in self.groups for m in g.modules for p in m.parameters()}
         seen: set[int] = set()
         params = []
-        for own in modules:
+        for index, own in enumerate(modules):
             for name, param in own.named_parameters():
                 key = id(param)
                 if key in owned or key in seen or any(param is p for p in ignored):
                     continue
                 seen.add(key)
-                params.append(
-                    ParamShape(
-                        name, tuple(param.shape), param.dtype, _shard_dim(placement_fn, param)
-                    )
-                )
+                shard_dim = _shard_dim(placement_fn, param)
+                params.append(ParamShape(name, tuple(param.shape), param.dtype, shard_dim, index))
         mp = kwargs.get("mp_policy")
         flags = GroupFlags(reshard_after_forward=kwargs.get("reshard_after_forward"))
         return GroupPlan(
