@@ -36,6 +36,14 @@ LAYOUTS: dict[str, tuple[tuple[str, str], str | None, str | None]] = {
 }
 
 
+def mesh_shape(names: tuple[str, str], data_parallel: str, world_size: int) -> tuple[int, int]:
+    """2 x 2 on 4 ranks; on 2, the named data-parallel dim (the shard dim of HSDP) holds both
+    ranks and the other dim one."""
+    if world_size >= 4:
+        return (2, world_size // 2)
+    return tuple(world_size if name == data_parallel else 1 for name in names)
+
+
 def _ranks(mesh, name: str | None) -> tuple[int, ...]:
     if name is None:
         return ()
@@ -55,7 +63,9 @@ def test_named_data_parallel_dims_of_a_full_mesh(rank_ctx, impl, point):
     and for replicate "all_reduce ran over ranks [(1, 3)]; dp_mesh_dims allows only
     (2, 3)")."""
     names, shard_name, replicate_name = LAYOUTS[point["dims"]]
-    mesh = rank_ctx.mesh((2, rank_ctx.world_size // 2), names)
+    mesh = rank_ctx.mesh(
+        mesh_shape(names, shard_name or replicate_name, rank_ctx.world_size), names
+    )
     with torch.device(rank_ctx.device):
         model = MLPStack(8)
     reference = copy.deepcopy(model)

@@ -25,7 +25,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from harness.parity import assert_losses_equal, assert_sharded_parity, tolerance
+from harness.parity import (
+    assert_losses_equal,
+    assert_sharded_parity,
+    average_gradients,
+    tolerance,
+)
 from suites.cases import conformance, grid
 from suites.models import MLP, MLPStack
 from suites.schedule import ScheduleRecorder, ShardingPlan
@@ -164,18 +169,23 @@ class RecordsInputDtype(nn.Module):
 
 
 @conformance("fsdp.mixed_precision.cast_forward_inputs")
-@pytest.mark.parametrize("point", grid(cast=[True, False]))
-def test_cast_forward_inputs(rank_ctx, impl, point):
-    with torch.device(rank_ctx.device):
-        model = RecordsInputDtype(8)
-    mp = impl.MixedPrecisionPolicy(param_dtype=torch.bfloat16, cast_forward_inputs=point["cast"])
-    impl.fully_shard(model, mp_policy=mp)
-    out = model(torch.randn(2, 8, device=rank_ctx.device))
-    out.sum().backward()
-    expected = torch.bfloat16 if point["cast"] else torch.float32
-    assert model.input_dtypes == [expected], model.input_dtypes
-    assert out.dtype == torch.bfloat16
-    assert model.lin.weight.grad.dtype == torch.float32
+def test_cast_forward_inputs(rank_ctx, impl):
+    """Both values in one item: ``True`` casts a floating-point input to ``param_dtype``,
+    ``False`` hands the module its fp32 input."""
+    for cast in (True, False):
+        with torch.device(rank_ctx.device):
+            model = RecordsInputDtype(8)
+        mp = impl.MixedPrecisionPolicy(param_dtype=torch.bfloat16, cast_forward_inputs=cast)
+        impl.fully_shard(model, mp_policy=mp)
+        out = model(torch.randn(2, 8, device=rank_ctx.device))
+        out.sum().backward()
+        expected = torch.bfloat16 if cast else torch.float32
+        assert model.input_dtypes == [expected], (
+            f"cast_forward_inputs={cast}: the module saw inputs of {model.input_dtypes}, "
+            f"expected [{expected}]"
+        )
+        assert out.dtype == torch.bfloat16, f"cast_forward_inputs={cast}: output {out.dtype}"
+        assert model.lin.weight.grad.dtype == torch.float32
 
 
 class Upcast(nn.Module):
@@ -185,15 +195,34 @@ class Upcast(nn.Module):
 
 @conformance("fsdp.mixed_precision.output_dtype")
 def test_output_dtype(rank_ctx, impl):
-    """output_dtype alone: compute stays fp32, each managed module's outputs are cast."""
-    model = nn.Sequential(MLP(8, rank_ctx.device), Upcast(), MLP(8, rank_ctx.device))
-    impl.fully_shard(model[0], mp_policy=impl.MixedPrecisionPolicy(output_dtype=torch.bfloat16))
-    impl.fully_shard(model, mp_policy=impl.MixedPrecisionPolicy(output_dtype=torch.float64))
-    inner_outputs: list[torch.dtype] = []
-    # Registered after the implementation's post-hook: it sees the output that hook returned.
-    model[0].register_forward_hook(lambda _m, _i, out: inner_outputs.append(out.dtype))
-    out = model(torch.randn(2, 8, device=rank_ctx.device))
-    assert inner_outputs == [torch.bfloat16], inner_outputs
-    assert out.dtype == torch.float64
+    """output_dtype alone: compute stays fp32, each managed module's outputs are cast to its
+    own policy's output_dtype, and a group whose output_dtype is None returns what it
+    computed (fp32). Values and gradients against the plain model with the same casts."""
+    torch.manual_seed(42)
+    with torch.device(rank_ctx.device):
+        model = nn.Sequential(MLP(8), Upcast(), MLP(8), MLP(8))
+    reference = copy.deepcopy(model)
+    mp = impl.MixedPrecisionPolicy
+    impl.fully_shard(model[0], mp_policy=mp(output_dtype=torch.bfloat16))
+    impl.fully_shard(model[2], mp_policy=mp())
+    impl.fully_shard(model, mp_policy=mp(output_dtype=torch.float64))
+    outputs: dict[int, list[torch.dtype]] = {0: [], 2: []}
+    # Registered after the implementation's post-hooks: they see the outputs those returned.
+    for index, dtypes in outputs.items():
+        model[index].register_forward_hook(lambda _m, _i, out, d=dtypes: d.append(out.dtype))
+    torch.manual_seed(42 + rank_ctx.rank + 1)
+    inp = torch.randn(2, 8, device=rank_ctx.device)
+    out = model(inp)
+    assert outputs == {0: [torch.bfloat16], 2: [torch.float32]}, (
+        f"output dtypes of model[0] (output_dtype bf16) and model[2] (None): {outputs}"
+    )
+    assert out.dtype == torch.float64, f"root output {out.dtype}, expected float64"
+    # The plain model with the casts FSDP2 documents: fp32 compute, outputs cast per group.
+    hidden = reference[0](inp).to(torch.bfloat16).float()
+    expected = reference[3](reference[2](hidden)).to(torch.float64)
+    torch.testing.assert_close(out, expected, msg=lambda m: f"output: {m}")
     out.sum().backward()
+    expected.sum().backward()
     assert all(p.grad.dtype == torch.float32 for p in model.parameters())
+    average_gradients(reference)
+    assert_sharded_parity(reference, model)

@@ -108,12 +108,14 @@ def test_cpu_offload_hsdp_training_parity(rank_ctx, impl):
 
 
 @conformance("fsdp.offload.pin_memory_refused")
-def test_pin_memory_without_accelerator_is_refused(rank_ctx, impl):
+@pytest.mark.parametrize("point", grid(manage=["fully_shard", "replicate"]))
+def test_pin_memory_without_accelerator_is_refused(rank_ctx, impl, point):
     if torch.accelerator.is_available():
         pytest.skip("an accelerator is available: pin_memory=True is legitimate here")
     with torch.device(rank_ctx.device):
         model = MLPStack(8)
+    manage = getattr(impl, point["manage"])
     # torch refuses when it first pins (fully_shard); the reference refuses in fully_shard.
     with pytest.raises(RuntimeError):
-        impl.fully_shard(model, offload_policy=impl.CPUOffloadPolicy(pin_memory=True))
+        manage(model, offload_policy=impl.CPUOffloadPolicy(pin_memory=True))
         model(torch.randn(2, 8, device=rank_ctx.device)).sum().backward()

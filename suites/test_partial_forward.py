@@ -321,7 +321,15 @@ def test_reset_iter_state_after_exception(rank_ctx, impl):
     with pytest.raises(RuntimeError, match="boom"):
         model(tokens, skip_head=True)
     model.body.armed = False
+    managed = [m for m in model.modules() if impl.is_managed(m)]
+    held = [type(m).__name__ for m in managed if impl.is_group_unsharded(m)]
+    assert held, "the failed forward left no group unsharded: nothing for the reset to undo"
     model.reset_iter_state()
+    # Documented: the reset reshards every parameter group.
+    still_held = [type(m).__name__ for m in managed if impl.is_group_unsharded(m)]
+    assert not still_held, f"groups of {still_held} are still unsharded after reset_iter_state()"
+    for name, p in model.named_parameters():
+        assert isinstance(p, DTensor), f"{name} is not a sharded DTensor after reset_iter_state()"
     loss = model(tokens).sum()
     loss.backward()
     ref_loss = reference(tokens).sum()

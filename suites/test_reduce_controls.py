@@ -24,10 +24,11 @@ import torch.distributed as dist
 from torch import nn
 
 from harness.comm import CommTracer, padded_numel
-from harness.parity import assert_sharded_parity
+from harness.parity import assert_sharded_parity, average_gradients
 from suites.cases import conformance, grid
 from suites.models import MLPStack
 from suites.schedule import ScheduleRecorder, ShardingPlan
+from suites.test_setter_scope import forward_backward, groups_of, two_block_stack
 from suites.training import sharded_mlp_stack
 
 
@@ -317,34 +318,45 @@ def test_all_reduce_hook_sees_and_changes_each_reduced_gradient(rank_ctx, impl, 
 
 @conformance("fsdp.reduce_controls.separate_reduce_scatter_group")
 def test_reduce_scatters_run_on_a_group_of_their_own(rank_ctx, impl):
-    """``set_separate_reduce_scatter_group()`` on the root (recursive): every gradient
-    reduce-scatter runs on a process group over the same shard ranks that is not the one the
-    all-gathers use, and the gradients are unchanged. Fails on
-    ``tests.suites.broken:ignore_separate_reduce_scatter_group`` ("the reduce-scatters ran on
-    the all-gathers' group")."""
-    model, reference = sharded_mlp_stack(impl, rank_ctx.device)
-    model.set_separate_reduce_scatter_group()
-    torch.manual_seed(42 + rank_ctx.rank + 1)
-    inp = torch.randn(4, 8, device=rank_ctx.device)
-    with CommTracer(functional=False) as trace:
-        model(inp).sum().backward()
-    reference(inp).sum().backward()
-    gathers = {(c.group_name, c.group_ranks) for c in trace.select("all_gather")}
-    scatters = {(c.group_name, c.group_ranks) for c in trace.select("reduce_scatter")}
+    """``set_separate_reduce_scatter_group(True, recurse=True)`` on the root of two blocks
+    under a root group: every gradient reduce-scatter runs on a process group over the same
+    shard ranks that is not the one the all-gathers use; then ``(False, recurse=False)``: the
+    root's reduce-scatter goes back to the all-gathers' group, the blocks' stay on their own
+    (a block's size names its reduce-scatter). Gradients are the plain model's throughout.
+    Fails on ``tests.suites.broken:ignore_separate_reduce_scatter_group`` ("the reduce-scatters
+    ran on the all-gathers' group").
+
+    One case creates the separate group in a session: torch names a group made with
+    ``use_local_synchronization=True`` after its ranks and the number of live groups, so a
+    second one made after the harness destroyed the first reuses its name and store keys, and
+    its gloo rendezvous can read the first one's stale addresses and hang."""
+    model, reference, plan = two_block_stack(rank_ctx, impl)
+    everyone = {group.name for group in plan.groups}
     world = tuple(range(rank_ctx.world_size))
-    assert gathers and {ranks for _, ranks in gathers} == {world}, gathers
-    assert scatters and {ranks for _, ranks in scatters} == {world}, (
-        f"the reduce-scatters ran over ranks {sorted(r for _, r in scatters)}, not the shard "
-        f"ranks {world}"
-    )
-    shared = {name for name, _ in gathers} & {name for name, _ in scatters}
-    assert not shared, (
-        f"the reduce-scatters ran on the all-gathers' group {sorted(shared)}: "
-        f"set_separate_reduce_scatter_group() gave them no group of their own"
-    )
-    for param in reference.parameters():
-        dist.all_reduce(param.grad)
-        param.grad /= rank_ctx.world_size
+    expected = [(True, True, everyone), (False, False, everyone - {"root"})]
+    torch.manual_seed(42 + rank_ctx.rank + 1)
+    for value, recurse, separate in expected:
+        model.set_separate_reduce_scatter_group(value, recurse=recurse)
+        with CommTracer(functional=False) as trace:
+            forward_backward(rank_ctx, model, reference)
+        gathers = trace.select("all_gather")
+        scatters = trace.select("reduce_scatter")
+        assert gathers and {c.group_ranks for c in gathers} == {world}, trace.schedule()
+        assert scatters and {c.group_ranks for c in scatters} == {world}, (
+            f"the reduce-scatters ran over ranks {sorted({c.group_ranks for c in scatters})}, "
+            f"not the shard ranks {world}"
+        )
+        gather_groups = {call.group_name for call in gathers}
+        on_own, shared = set(), set()
+        for name, call in zip(groups_of(plan, scatters, "reduce_scatter"), scatters, strict=True):
+            (shared if call.group_name in gather_groups else on_own).add(name)
+        assert on_own == separate, (
+            f"after set_separate_reduce_scatter_group({value}, recurse={recurse}) on the root: "
+            f"the reduce-scatters ran on the all-gathers' group for {sorted(shared)} and on a "
+            f"group of their own for {sorted(on_own)}; expected their own group for "
+            f"{sorted(separate)}"
+        )
+    average_gradients(reference)
     assert_sharded_parity(reference, model)
 
 

@@ -167,6 +167,9 @@ def test_explicit_unshard_then_reshard(rank_ctx, impl, point):
     if point["async_op"]:
         assert handle is not None, "unshard(async_op=True) returned no handle"
         handle.wait()
+    else:
+        # Documented: async_op=False waits inside the call and returns None.
+        assert handle is None, f"unshard(async_op=False) returned {handle!r}, not None"
     context = f"after unshard(async_op={point['async_op']})"
     assert_all_plain(list(model.parameters()), context)
     assert impl.is_group_unsharded(model), f"{context}: the group is not unsharded"

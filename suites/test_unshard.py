@@ -8,7 +8,8 @@
   group is held).
 * ``set_unshard_async_op(True)`` every step: same numerics, same schedule (slow).
 * ``set_unshard_in_backward(False)``: that group is never all-gathered in backward, not even
-  as a prefetch target, and still gets the right gradients.
+  as a prefetch target, and still gets the right gradients; set back to ``True`` for one
+  step, it is gathered in backward again.
 * ``set_keep_unsharded_storage(True)``: reshard keeps the unsharded storage, and the next
   unshard fills the same memory.
 """
@@ -138,6 +139,15 @@ def test_unshard_in_backward_false_skips_the_gather(rank_ctx, impl):
         plan.fully_shard(model)
         plan.controls(model.tok_embeddings).set_unshard_in_backward(False)
 
+    steps_done = []
+
+    def toggle() -> None:
+        # Step 1 runs with True again (the embeddings are gathered in backward, as by
+        # default), steps 0 and 2 with False.
+        steps_done.append(None)
+        unshard = len(steps_done) == 1
+        plan.controls(model.tok_embeddings).set_unshard_in_backward(unshard)
+
     train_with_parity(
         rank_ctx.rank,
         model,
@@ -146,6 +156,7 @@ def test_unshard_in_backward_false_skips_the_gather(rank_ctx, impl):
         schedule=plan,
         steps=3,
         make_optimizer=adam,
+        before_step=toggle,
     )
 
 
