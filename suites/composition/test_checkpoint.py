@@ -35,8 +35,8 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+import torch.distributed.checkpoint.state_dict as dsd
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor
 
 from harness.parity import assert_tensors_close
@@ -72,15 +72,15 @@ def shared_checkpoint_dir() -> Iterator[str]:
 
 
 def save(path: str, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    model_state, optim_state = get_state_dict(model, optimizer)
+    model_state, optim_state = dsd.get_state_dict(model, optimizer)
     dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=path)
 
 
 def load(path: str, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    model_state, optim_state = get_state_dict(model, optimizer)
+    model_state, optim_state = dsd.get_state_dict(model, optimizer)
     state = {"model": model_state, "optim": optim_state}
     dcp.load(state, checkpoint_id=path)
-    set_state_dict(
+    dsd.set_state_dict(
         model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
     )
 
