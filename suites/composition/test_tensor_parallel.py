@@ -21,14 +21,11 @@ import itertools
 
 import pytest
 import torch
+import torch.distributed.tensor.parallel as tensor_parallel
 import torch.utils.checkpoint
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor.parallel import (
-    ColwiseParallel,
-    RowwiseParallel,
-    parallelize_module,
-)
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from harness.comm import CommTracer, padded_numel
 from harness.parity import ReferenceModel, assert_losses_equal, assert_tensors_close
@@ -127,7 +124,7 @@ def train_with_data_parallel(
 
 
 def fully_shard_after_tp(impl, model: MLPStack, tp_mesh, dp_mesh, ac: bool, raf: bool) -> None:
-    parallelize_module(model, tp_mesh, mlp_stack_tp_plan())
+    tensor_parallel.parallelize_module(model, tp_mesh, mlp_stack_tp_plan())
     for child in model:
         if ac:
             checkpoint_forward(child)
@@ -181,7 +178,7 @@ def test_replicate_tp(rank_ctx, impl, ac, mlp_dim):
     with torch.device(rank_ctx.device):
         model = MLPStack(mlp_dim)
     reference = ReferenceModel(model, adam, group=mesh["dp_replicate"].get_group())
-    parallelize_module(model, mesh["tp"], mlp_stack_tp_plan())
+    tensor_parallel.parallelize_module(model, mesh["tp"], mlp_stack_tp_plan())
     for child in model:
         if ac:
             checkpoint_forward(child)
@@ -206,7 +203,7 @@ TP_EP_ARGS = ModelArgs(n_layers=2, vocab_size=256, max_seq_len=32, dim=64, n_hea
 def parallelize_transformer(model: Transformer, tp_mesh) -> None:
     """The TP plan upstream uses for its dense test Transformer, attention outputs kept as
     DTensors (``local_output_for_attn=False``), weight tying re-applied."""
-    parallelize_module(
+    tensor_parallel.parallelize_module(
         model,
         tp_mesh,
         {
@@ -216,7 +213,7 @@ def parallelize_transformer(model: Transformer, tp_mesh) -> None:
         },
     )
     for block in model.layers:
-        parallelize_module(
+        tensor_parallel.parallelize_module(
             block,
             tp_mesh,
             {
@@ -394,7 +391,7 @@ def test_tp_layout_and_collectives(rank_ctx, impl, mlp_dim):
     with torch.device(rank_ctx.device):
         model = MLPStack(mlp_dim)
     reference = ReferenceModel(model, adam, group=mesh["dp"].get_group())
-    parallelize_module(model, mesh["tp"], mlp_stack_tp_plan())
+    tensor_parallel.parallelize_module(model, mesh["tp"], mlp_stack_tp_plan())
     tp_locals = {n: p.to_local().detach().clone() for n, p in model.named_parameters()}
     for child in model:
         impl.fully_shard(child, mesh=mesh["dp"], reshard_after_forward=False)
