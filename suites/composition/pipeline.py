@@ -5,10 +5,15 @@ as a ``ModuleDict`` keyed ``"0".."N-1"``; a stage holds a ``LayerChunk`` that ke
 so every parameter keeps its original FQN (``layers.3.net1.weight``) whether it lives in the
 full model or in a stage. That is what lets gradients be compared by name with a
 single-process reference and a stage checkpoint be loaded into the whole model.
+
+The schedule checks (``test_pipeline_schedules.py``) use smaller pieces, at the end: one
+``StageLayer`` per stage, their replay (``ScheduleReplay``), a record of what the stages did
+(``ActionLog``) and counting weight runners for ``dw_builder`` (``WeightRunners``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -20,25 +25,37 @@ from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
 from torch.distributed.pipelining import (
     PipelineStage,
     Schedule1F1B,
+    ScheduleDualPipeV,
     ScheduleGPipe,
     ScheduleInterleaved1F1B,
     ScheduleInterleavedZeroBubble,
     ScheduleLoopedBFS,
+    ScheduleZBVZeroBubble,
 )
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from harness.parity import compare_tensors
 from impl.api import Implementation
 
+#: Every schedule class of torch.distributed.pipelining, under the name
+#: ``get_schedule_class`` knows it by.
 SCHEDULES: dict[str, type] = {
     "GPipe": ScheduleGPipe,
     "1F1B": Schedule1F1B,
     "Interleaved1F1B": ScheduleInterleaved1F1B,
     "LoopedBFS": ScheduleLoopedBFS,
     "InterleavedZeroBubble": ScheduleInterleavedZeroBubble,
+    "ZBVZeroBubble": ScheduleZBVZeroBubble,
+    "DualPipeV": ScheduleDualPipeV,
 }
 #: Schedules that take one stage per rank; the others take two (virtual stages).
 SINGLE_STAGE_SCHEDULES = frozenset({"GPipe", "1F1B"})
+#: Schedules whose two stages per rank sit in a V (rank r holds stages r and 2 pp - 1 - r, so
+#: the first rank also holds the last stage); the other multi-stage ones loop (r and r + pp).
+V_SCHEDULES = frozenset({"ZBVZeroBubble", "DualPipeV"})
+#: The smallest number of microbatches each schedule accepts, in stages: 1F1B and DualPipeV
+#: refuse fewer microbatches than stages (read in torch 2.13's constructors).
+AT_LEAST_ONE_PER_STAGE = frozenset({"1F1B", "DualPipeV"})
 
 
 class MLPModule(nn.Module):
@@ -121,8 +138,7 @@ class PipelineLayout:
         return self.n_layers // self.num_stages
 
     def stage_indices(self) -> list[int]:
-        # Looped placement: rank r holds stages r, r + pp, r + 2 pp, ...
-        return [self.pp_rank + self.pp_size * i for i in range(self.stages_per_rank)]
+        return stage_placement(self.schedule, self.pp_rank, self.pp_size)
 
     def layer_indices(self, stage_index: int) -> range:
         start = stage_index * self.layers_per_stage
@@ -130,11 +146,25 @@ class PipelineLayout:
 
     @property
     def is_first_rank(self) -> bool:
-        return self.pp_rank == 0
+        """Whether this rank holds the first stage (it feeds the inputs)."""
+        return 0 in self.stage_indices()
 
     @property
     def is_last_rank(self) -> bool:
-        return self.pp_rank == self.pp_size - 1
+        """Whether this rank holds the last stage (it computes the losses): the last pipeline
+        rank, or the first under a V placement."""
+        return self.num_stages - 1 in self.stage_indices()
+
+
+def stage_placement(schedule: str, pp_rank: int, pp_size: int) -> list[int]:
+    """The stages pipeline rank ``pp_rank`` of ``pp_size`` holds under ``schedule``: its own
+    index for the single-stage schedules, ``r`` and ``2 pp - 1 - r`` for the V schedules (what
+    they map stages to ranks by), ``r`` and ``r + pp`` (looped) for the others."""
+    if schedule in SINGLE_STAGE_SCHEDULES:
+        return [pp_rank]
+    if schedule in V_SCHEDULES:
+        return [pp_rank, 2 * pp_size - 1 - pp_rank]
+    return [pp_rank, pp_rank + pp_size]
 
 
 @dataclass
@@ -149,12 +179,11 @@ class Pipeline:
     def step(self, inputs: torch.Tensor, labels: torch.Tensor) -> list[torch.Tensor]:
         """One schedule step; returns the per-microbatch losses on the last rank, else []."""
         losses: list[torch.Tensor] = []
-        if self.layout.is_first_rank:
-            self.schedule.step(inputs)
-        elif self.layout.is_last_rank:
-            self.schedule.step(target=labels, losses=losses)
+        args = (inputs,) if self.layout.is_first_rank else ()
+        if self.layout.is_last_rank:
+            self.schedule.step(*args, target=labels, losses=losses)
         else:
-            self.schedule.step()
+            self.schedule.step(*args)
         return losses
 
     def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
@@ -464,3 +493,184 @@ def one_f_one_b_order(stage_index: int, num_stages: int, n_microbatches: int) ->
 def gpipe_order(n_microbatches: int) -> list[str]:
     """All forwards, then all backwards."""
     return [f"F{i}" for i in range(n_microbatches)] + [f"B{i}" for i in range(n_microbatches)]
+
+
+# --- the schedule checks: one pipeline, no data parallelism -----------------------------------
+
+
+class StageLayer(nn.Module):
+    """One stage of the schedule checks' model: ``tanh(Linear(dim, dim))``.
+
+    The first stage also adds a keyword input ``shift`` to its input, and with
+    ``features_first`` both arrive transposed, ``(dim, rows)``: the batch is then their dim 1,
+    which only ``TensorChunkSpec(1)`` splits right. Every stage accepts ``shift``, because a
+    rank hands the step's keyword arguments to each of its stages. With ``records_own_graph``
+    the layer computes under ``torch.enable_grad()`` whatever the caller's grad mode, as a
+    model whose backward the schedule does not drive through the caller's autograd would.
+    ``forward_calls`` counts its forwards (shape inference runs one of its own).
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        *,
+        first: bool,
+        features_first: bool = False,
+        records_own_graph: bool = False,
+    ) -> None:
+        super().__init__()
+        self.linear = nn.Linear(dim, dim)
+        self.first = first
+        self.features_first = features_first
+        self.records_own_graph = records_own_graph
+        self.forward_calls = 0
+
+    def forward(self, x: torch.Tensor, shift: torch.Tensor | None = None) -> torch.Tensor:
+        self.forward_calls += 1
+        grad_mode = torch.enable_grad() if self.records_own_graph else contextlib.nullcontext()
+        with grad_mode:
+            if self.first:
+                if shift is not None:
+                    x = x + shift
+                if self.features_first:
+                    x = x.t()
+            return torch.tanh(self.linear(x))
+
+
+def stage_layers(dim: int, num_stages: int, **options: bool) -> list[StageLayer]:
+    """``num_stages`` layers, the first one first (``options`` go to every layer)."""
+    return [StageLayer(dim, first=index == 0, **options) for index in range(num_stages)]
+
+
+@dataclass(frozen=True)
+class ScaledSquaredError:
+    """``scale * sum((output - target)^2)``, ``scale`` a keyword the schedule's ``loss_kwargs``
+    carries; like ``StageLayer`` it may record its own graph under ``torch.no_grad()``."""
+
+    records_own_graph: bool = False
+
+    def __call__(
+        self, output: torch.Tensor, target: torch.Tensor, scale: float = 1.0
+    ) -> torch.Tensor:
+        grad_mode = torch.enable_grad() if self.records_own_graph else contextlib.nullcontext()
+        with grad_mode:
+            return scale * (output - target).pow(2).sum()
+
+
+@dataclass
+class ScheduleReplay:
+    """The schedule checks' oracle: the whole model on one rank, each microbatch in turn.
+
+    The inputs and ``shift`` are split into ``n_microbatches`` along ``batch_dim`` (what the
+    schedule's chunk specs say), the target along dim 0 (the schedules always split it so); each
+    microbatch runs forward through every layer and backward from its loss. ``run`` sets each
+    layer's gradients to the sum over the microbatches, divided by their number with
+    ``scale_grads``, and returns the per-microbatch losses and outputs.
+    """
+
+    layers: list[nn.Module]
+    n_microbatches: int
+    loss_fn: Callable[..., torch.Tensor]
+    loss_kwargs: dict[str, float]
+    batch_dim: int = 0
+    scale_grads: bool = False
+
+    def run(
+        self, inputs: torch.Tensor, shift: torch.Tensor, target: torch.Tensor
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        for layer in self.layers:
+            layer.zero_grad(set_to_none=True)
+        losses, outputs = [], []
+        for x, x_shift, y in zip(
+            inputs.tensor_split(self.n_microbatches, self.batch_dim),
+            shift.tensor_split(self.n_microbatches, self.batch_dim),
+            target.tensor_split(self.n_microbatches, 0),
+            strict=True,
+        ):
+            out = self.layers[0](x, shift=x_shift)
+            for layer in self.layers[1:]:
+                out = layer(out)
+            loss = self.loss_fn(out, y, **self.loss_kwargs)
+            loss.backward()
+            losses.append(loss.detach())
+            outputs.append(out.detach())
+        if self.scale_grads:
+            for layer in self.layers:
+                for param in layer.parameters():
+                    param.grad /= self.n_microbatches
+        return losses, outputs
+
+
+@dataclass
+class ActionLog:
+    """What a rank's stages did, in order: each receive posted (``get_fwd_recv_ops`` /
+    ``get_bwd_recv_ops`` returning operations) and each compute call (``forward_one_chunk``,
+    ``backward_one_chunk``, ``backward_weight_one_chunk``), as ``(kind, stage, microbatch)``
+    with kind ``recv_forward``, ``recv_backward``, ``forward``, ``backward`` or ``weight``.
+
+    Wraps the stage's methods on the instance, like ``ExecutedOrder``: the record is what
+    executed, not a schedule's table.
+    """
+
+    entries: list[tuple[str, int, int]] = field(default_factory=list)
+
+    def install(self, stage: PipelineStage) -> None:
+        for method, kind in (
+            ("get_fwd_recv_ops", "recv_forward"),
+            ("get_bwd_recv_ops", "recv_backward"),
+            ("forward_one_chunk", "forward"),
+            ("backward_one_chunk", "backward"),
+            ("backward_weight_one_chunk", "weight"),
+        ):
+            setattr(stage, method, self._recorded(stage.stage_index, kind, getattr(stage, method)))
+
+    def _recorded(self, stage_index: int, kind: str, method: Callable) -> Callable:
+        def recorded(microbatch: int, *args, **kwargs):
+            result = method(microbatch, *args, **kwargs)
+            if not kind.startswith("recv") or result:
+                self.entries.append((kind, stage_index, microbatch))
+            return result
+
+        return recorded
+
+    def receive_gaps(self) -> dict[tuple[str, int, int], list[tuple[str, int, int]]]:
+        """For each receive, the compute calls that ran between posting it and the call that
+        consumes it (the same stage's forward of that microbatch for an activation, its
+        backward for a gradient)."""
+        consumer_kind = {"recv_forward": "forward", "recv_backward": "backward"}
+        gaps = {}
+        for position, (kind, stage, microbatch) in enumerate(self.entries):
+            if kind not in consumer_kind:
+                continue
+            between = []
+            for later in self.entries[position + 1 :]:
+                if later == (consumer_kind[kind], stage, microbatch):
+                    break
+                if not later[0].startswith("recv"):
+                    between.append(later)
+            gaps[(kind, stage, microbatch)] = between
+        return gaps
+
+    def receive_leads(self) -> dict[tuple[str, int, int], int]:
+        """For each receive, how many compute calls ran between posting it and its consumer."""
+        return {receive: len(between) for receive, between in self.receive_gaps().items()}
+
+
+@dataclass
+class WeightRunners:
+    """A ``dw_builder`` per stage whose runners count their calls: a stage built with one
+    calls ``dw_builder()()`` once per microbatch's backward (at its weight pass under the
+    zero-bubble schedules)."""
+
+    calls: dict[int, int] = field(default_factory=dict)
+
+    def builder(self, stage_index: int) -> Callable[[], Callable[[], None]]:
+        self.calls.setdefault(stage_index, 0)
+
+        def build() -> Callable[[], None]:
+            def run() -> None:
+                self.calls[stage_index] += 1
+
+            return run
+
+        return build

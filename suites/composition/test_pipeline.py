@@ -34,11 +34,8 @@ import math
 
 import pytest
 import torch
-from torch.distributed.tensor.parallel import (
-    ColwiseParallel,
-    RowwiseParallel,
-    parallelize_module,
-)
+import torch.distributed.tensor.parallel as tp
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from harness.comm import CommTracer
 from harness.parity import assert_tensors_close
@@ -46,6 +43,7 @@ from suites.cases import conformance
 from suites.composition.pipeline import (
     SCHEDULES,
     SINGLE_STAGE_SCHEDULES,
+    V_SCHEDULES,
     ExecutedOrder,
     LayerChunk,
     MicrobatchReference,
@@ -78,10 +76,15 @@ def adamw(params) -> torch.optim.Optimizer:
 
 def pipeline_grid() -> list:
     # The ids' tokens ``replicate`` and ``bf16`` carry the capabilities (suites/cases.toml).
+    # The V schedules in fp32 only: DualPipeV mixes full and split backward passes on a stage,
+    # the weight pass writing ``.grad`` in the compute dtype and the full ones accumulating
+    # through the accumulators, so in bf16 its last layer's sum rounds one step away from the
+    # replay's fp32 sum under either implementation (torch's schedule, not the data
+    # parallelism); bf16 composition is the other schedules' to check.
     grid = []
     for schedule in SCHEDULES:
         for data_parallel in ("fully_shard", "replicate"):
-            for dtype in DTYPES:
+            for dtype in DTYPES if schedule not in V_SCHEDULES else ("fp32",):
                 grid.append(
                     pytest.param(
                         schedule, data_parallel, dtype, id=f"{schedule}-{data_parallel}-{dtype}"
@@ -330,8 +333,13 @@ def test_microbatches_other_than_stages_scale_by_microbatches(
 
 
 def three_d_grid() -> list:
+    # Without a numeric oracle this case only shows that the step runs; the V schedules, which
+    # pp.parity and pp.schedules.* check against one, are left out to keep its world of eight
+    # ranks to the five schedules it had.
     grid = []
     for schedule in SCHEDULES:
+        if schedule in V_SCHEDULES:
+            continue
         for dtype in DTYPES:
             grid.append(pytest.param(schedule, dtype, id=f"{schedule}-{dtype}"))
     return grid
@@ -348,7 +356,7 @@ def test_3d_tp_dp_pp(rank_ctx, impl, schedule, dtype_name):
 
     def distribute(chunk: LayerChunk) -> None:
         for layer in chunk.layers.values():
-            parallelize_module(layer, mesh["tp"], tp_plan)
+            tp.parallelize_module(layer, mesh["tp"], tp_plan)
         for module in [*chunk.layers.values(), chunk]:
             impl.fully_shard(
                 module, mesh=mesh["dp"], reshard_after_forward=False, mp_policy=mp_policy
