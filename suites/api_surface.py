@@ -126,8 +126,8 @@ def value_classes(annotation: object) -> list[str]:
 
 def _parameters(function: Callable) -> Iterator[inspect.Parameter]:
     for parameter in inspect.signature(function).parameters.values():
-        if parameter.name == "self":
-            continue
+        if parameter.name == "self" or parameter.name.startswith("_"):
+            continue  # a private argument is no part of the public surface
         if parameter.kind in (parameter.VAR_POSITIONAL, parameter.VAR_KEYWORD):
             continue
         yield parameter

@@ -34,6 +34,7 @@ import dataclasses
 import functools
 import inspect
 import re
+import typing
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -48,6 +49,7 @@ from torch.distributed.tensor import Replicate, Shard
 
 from impl import _torch_private
 from impl.api import Implementation, load_implementation
+from suites.api_surface import value_classes
 
 #: FSDP2's names, mutated in the implementation under test rather than in torch.
 FSDP_OBJECTS = frozenset(
@@ -180,6 +182,13 @@ def _field(cls: type, name: str) -> dataclasses.Field:
     return next(field for field in dataclasses.fields(cls) if field.name == name)
 
 
+def _field_annotation(cls: type, field: dataclasses.Field) -> Any:
+    try:
+        return typing.get_type_hints(cls).get(field.name, field.type)
+    except (NameError, TypeError):  # a forward reference this release cannot resolve
+        return field.type
+
+
 def _default_of_field(field: dataclasses.Field) -> Any:
     if field.default is not dataclasses.MISSING:
         return field.default
@@ -200,23 +209,36 @@ def _owner_object(owner: str) -> Any:
     raise LookupError(f"{owner}: in none of torch's modules the coverage tables list")
 
 
-def _replacing(name: str, value: str, default: Any, semantic_key: str) -> Callable | NoMutant:
+def _replacing(
+    name: str, value: str, default: Any, semantic_key: str, offered: list[str] | None = None
+) -> Callable | NoMutant:
     """How a value of class ``value`` is replaced: by the default when the default (what it
-    means, where ``SEMANTIC_DEFAULTS`` says) is of another class, else by the next class."""
+    means, where ``SEMANTIC_DEFAULTS`` says) is of another class, else by the next class the
+    annotation offers (``offered``) that means something else. An explicit ``None`` means
+    what a ``None`` default means: ``ColwiseParallel(input_layouts=None)`` is ``Replicate()``,
+    so neither ``None`` nor ``Replicate`` may replace it."""
     meaning = SEMANTIC_DEFAULTS.get(semantic_key, default)
-    if default is not inspect.Parameter.empty and value_class(meaning) != value:
+
+    def means(cls: str) -> str:
+        return value_class(meaning) if cls == "None" and default is None else cls
+
+    if default is not inspect.Parameter.empty and value_class(meaning) != means(value):
         return lambda current: default
     for candidate in ("False", "True", "None", "dtype", "Replicate", "Shard", "int"):
-        if candidate == value:
+        if means(candidate) == means(value):
             continue
-        if candidate in ("True", "False") and value not in ("True", "False"):
-            continue  # a non-bool value is never replaced by a bool
+        if offered is not None and candidate not in offered:
+            continue  # a placement is never replaced by a dtype
+        if offered is None and candidate in ("True", "False") and value not in ("True", "False"):
+            continue  # without an annotation to go by, a non-bool is never replaced by a bool
         try:
             value_of_class(candidate, None)
         except LookupError:
             continue
         return lambda current, candidate=candidate: value_of_class(candidate, current)
-    return NoMutant(name, f"no other value of this argument can be made without the call: {value}")
+    return NoMutant(
+        name, f"a value class no other value can replace without knowing the call: {value}"
+    )
 
 
 def mutant_for(name: str) -> Mutant | NoMutant:
@@ -235,7 +257,8 @@ def mutant_for(name: str) -> Mutant | NoMutant:
         default = _default_of_field(field)
         if value is None:
             return Mutant(name, owner, member, None, None, lambda current: default)
-        how = _replacing(name, value, default, f"{owner}.{member}")
+        offered = value_classes(_field_annotation(obj, field)) or None
+        how = _replacing(name, value, default, f"{owner}.{member}", offered)
         if isinstance(how, NoMutant):
             return how
         return Mutant(name, owner, member, None, value, how)
@@ -256,7 +279,7 @@ def mutant_for(name: str) -> Mutant | NoMutant:
         if default is inspect.Parameter.empty:
             return NoMutant(name, "a required argument: no call can leave it out")
         return Mutant(name, owner, member, argument, None, lambda current: default)
-    how = _replacing(name, value, default, key)
+    how = _replacing(name, value, default, key, value_classes(parameter.annotation) or None)
     if isinstance(how, NoMutant):
         return how
     return Mutant(name, owner, member, argument, value, how)

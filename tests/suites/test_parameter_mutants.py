@@ -41,11 +41,15 @@ ROOT = Path(__file__).resolve().parents[2]
 CASES = read_cases(CASES_FILE, IMPLEMENTATION)
 INSTALLED = frozenset(name for surface in SURFACES.values() for name in surface())
 
-#: Why a covered name may have no mutant: the row's other names carry the check.
+#: Why a covered name may have no mutant: the row's other names carry the check (the
+#: argument's own name, its other value classes), or a hand-written broken adapter does
+#: (``DataParallelMeshDims.shard=None``: a mesh dim's name cannot be made up without the
+#: call; ``tests/suites/broken.py``'s ``dp_mesh_dims_on_the_wrong_dim`` moves the dims).
 ALLOWED_WITHOUT_MUTANT = (
     "a required argument",
     "a function or class itself",
     "a method other than FSDPModule's setters",
+    "a value class no other value can replace",
 )
 
 
@@ -116,6 +120,38 @@ def test_suites_call_the_patched_functions_through_their_module():
     # before the patch keeps the original, and the mutant would pass unseen.
     found = [line for path in sorted(SUITES_DIR.rglob("*.py")) for line in _imported_by_name(path)]
     assert found == [], "call these through their module (import the module, not the name)"
+
+
+def _test_parameters(case: Case) -> list[str]:
+    """The parameters of the suite function that implements ``case``."""
+    path = SUITES_DIR / f"{case.suite}.py"
+    function = conformance_functions(path)[case.case_id]
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.FunctionDef) and node.name == function:
+            return [arg.arg for arg in node.args.args]
+    raise LookupError(f"{case.case_id}: no function {function} in {path}")
+
+
+def test_cases_of_patched_names_build_the_implementation():
+    # A mutant of torch's own API is installed when the ranks build the implementation under
+    # test, which they do for a test that asks for the impl fixture: a case that never does
+    # would run unpatched torch, and every mutant of its names would pass unseen.
+    patched_rows = [
+        row
+        for family in FAMILIES
+        if family.name != "fsdp"
+        for row in read_coverage(CASES, family.table)
+        if row.cases
+    ]
+    missing = sorted(
+        {
+            case_id
+            for row in patched_rows
+            for case_id in row.cases
+            if "impl" not in _test_parameters(CASES[case_id])
+        }
+    )
+    assert missing == [], f"these cases must take the impl fixture: {missing}"
 
 
 def base_for(row: ApiRow) -> str:
