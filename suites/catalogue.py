@@ -22,7 +22,7 @@ import argparse
 import ast
 import re
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -363,10 +363,17 @@ def render_file(cases_file: Path = CASES_FILE, subject: str = IMPLEMENTATION) ->
     looked up in ``suites/``; with its public API coverage table), and its number of cases."""
     cases = read_cases(cases_file, subject)
     coverage = [
-        CoverageSection(title, scope, table, parse_coverage(table.read_text(), cases))
+        CoverageSection(title, scope, table, _parse_table(table, cases))
         for title, scope, table in COVERAGE_TABLES[subject]
     ]
     return render(cases_file.read_text(), cases, subject=subject, coverage=coverage), len(cases)
+
+
+def _parse_table(table: Path, cases: Mapping[str, Case]) -> list[ApiRow]:
+    try:
+        return parse_coverage(table.read_text(), cases)
+    except ValueError as error:  # named by its own file, not the case table's
+        raise ValueError(f"{_display(table)}: {error}") from None
 
 
 def _display(path: Path) -> str:

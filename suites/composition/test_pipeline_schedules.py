@@ -60,6 +60,7 @@ deferred receives of the zero-bubble schedules from three microbatches on (see
 from __future__ import annotations
 
 import copy
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
@@ -114,6 +115,32 @@ FEATURES_DIM = TensorChunkSpec(1)
 
 
 # --- building and driving the pipelines -------------------------------------------------------
+
+
+def accepts(function: Callable, argument: str) -> bool:
+    """Whether this release's ``function`` takes ``argument``: the window's releases add some
+    (``step(loss_kwargs)`` and ``defer_pp_recv`` first in torch 2.13; ``PipelineStage``'s
+    ``output_grads``, ``input_grads`` and ``get_mesh`` in 2.12), and a case checks what the
+    installed release has."""
+    return argument in inspect.signature(function).parameters
+
+
+def loss_kwargs_for(schedule: str) -> dict:
+    """The ``loss_kwargs`` this release's ``step`` passes to the loss (none before 2.13)."""
+    return LOSS_KWARGS if accepts(SCHEDULES[schedule].step, "loss_kwargs") else {}
+
+
+def step_options(schedule: str) -> dict:
+    """``step``'s ``loss_kwargs`` argument, where this release has it."""
+    loss_kwargs = loss_kwargs_for(schedule)
+    return {"loss_kwargs": loss_kwargs} if loss_kwargs else {}
+
+
+def can_defer(schedule: str) -> bool:
+    """Whether ``schedule`` takes ``defer_pp_recv``: the multi-stage schedules, from 2.13."""
+    return schedule not in SINGLE_STAGE_SCHEDULES and accepts(
+        SCHEDULES[schedule].__init__, "defer_pp_recv"
+    )
 
 
 def features_first(schedule: str) -> bool:
@@ -227,7 +254,7 @@ def check_pipelined_run(
         reference_layers,
         n_microbatches,
         ScaledSquaredError(),
-        LOSS_KWARGS,
+        loss_kwargs_for(schedule),
         batch_dim=1 if features_first(schedule) else 0,
         scale_grads=scale_grads,
     )
@@ -238,7 +265,8 @@ def check_pipelined_run(
     for stage in stages:
         log.install(stage)
     options = chunking_options(schedule)
-    if schedule not in SINGLE_STAGE_SCHEDULES:
+    defer_pp_recv = defer_pp_recv and can_defer(schedule)
+    if can_defer(schedule):
         options["defer_pp_recv"] = defer_pp_recv
     pipeline = schedule_for(
         schedule,
@@ -255,7 +283,7 @@ def check_pipelined_run(
     losses: list[torch.Tensor] = []
     if holds_last:
         kwargs |= {"target": target, "losses": losses}
-    output = pipeline.step(*args, return_outputs=return_outputs, loss_kwargs=LOSS_KWARGS, **kwargs)
+    output = pipeline.step(*args, return_outputs=return_outputs, **step_options(schedule), **kwargs)
     expected_losses, expected_outputs = replay.run(inputs, shift, target)
 
     what = (
@@ -273,7 +301,7 @@ def check_pipelined_run(
             f"on a rank {'with' if holds_last else 'without'} the last stage"
         )
     check_gradients(layers, replay, indices, what)
-    if defer_pp_recv and schedule not in SINGLE_STAGE_SCHEDULES and pp_rank == pp_size - 1:
+    if defer_pp_recv and pp_rank == pp_size - 1:
         check_deferred_receives(log, what)
     return list(log.receive_leads().values())
 
@@ -319,7 +347,7 @@ def check_forward_only(
         reference_layers,
         n_microbatches,
         ScaledSquaredError(),
-        LOSS_KWARGS,
+        loss_kwargs_for(schedule),
         batch_dim=1 if features_first(schedule) else 0,
     )
     stages = [
@@ -367,7 +395,7 @@ def check_local_run(schedule: str, local_group: dist.ProcessGroup, device: torch
         reference_layers,
         n_microbatches,
         ScaledSquaredError(),
-        LOSS_KWARGS,
+        loss_kwargs_for(schedule),
         batch_dim=1 if features_first(schedule) else 0,
     )
     runners = WeightRunners()
@@ -396,8 +424,8 @@ def check_local_run(schedule: str, local_group: dist.ProcessGroup, device: torch
             shift=shift,
             target=target,
             losses=losses,
-            loss_kwargs=LOSS_KWARGS,
             return_outputs=True,
+            **step_options(schedule),
         )
         return output, losses
 
@@ -475,7 +503,7 @@ MICROBATCHES = {"fewer": {2: 1, 4: 2}, "more": {2: 6, 4: 6}}
 
 
 def defers_soundly(schedule: str, n_microbatches: int) -> bool:
-    """Whether torch 2.13 keeps a step right with ``defer_pp_recv=True``.
+    """Whether a step with ``defer_pp_recv=True`` is right on this release (which has it).
 
     Not the zero-bubble schedules from three microbatches on (two ranks): the deferral moves a
     rank's receive of one message past its receive of a later message from the same peer, the
@@ -483,7 +511,7 @@ def defers_soundly(schedule: str, n_microbatches: int) -> bool:
     in the order they are posted, so an activation lands in a gradient's buffer (losses and
     gradients off, no error; found by this suite, read in ``_defer_recv_ops``)."""
     zero_bubble = schedule in ("InterleavedZeroBubble", "ZBVZeroBubble")
-    return not (zero_bubble and n_microbatches >= 3)
+    return can_defer(schedule) and not (zero_bubble and n_microbatches >= 3)
 
 
 @conformance("pp.schedules.microbatches")
@@ -516,7 +544,7 @@ def test_schedule_parity_with_microbatches_other_than_stages(
                 seed=seed,
             )
         )
-    if deferred and schedule not in SINGLE_STAGE_SCHEDULES:
+    if deferred:
         deferred_leads, early_leads = (sum(run) for run in leads)
         assert deferred_leads < early_leads, (
             f"{schedule}, {n_microbatches} microbatches: receives posted {deferred_leads} "
@@ -633,7 +661,10 @@ def check_inferred_shapes_checked(local_group: dist.ProcessGroup, device: torch.
     """With shapes inferred, a stage refuses an ``output_args``, ``output_grads`` (from the next
     stage) or ``input_grads`` (to the previous one) one column wider than what it infers, and
     runs with ones that match. Two stages on this rank, so that a refusal stops nobody else."""
+    present = {arg for arg in WRONG_EXAMPLES if accepts(PipelineStage.__init__, arg)}
     for argument, (stage, subject) in WRONG_EXAMPLES.items():
+        if argument not in present:
+            continue
         make = activation if argument == "output_args" else gradient
         wide = {stage: {argument: make(device, width=DIM + 1)}}
         with pytest.raises(RuntimeError, match="shape mismatch") as refusal:
@@ -644,6 +675,10 @@ def check_inferred_shapes_checked(local_group: dist.ProcessGroup, device: torch.
     right = {
         0: {"output_args": activation(device), "output_grads": gradient(device)},
         1: {"input_grads": gradient(device)},
+    }
+    right = {
+        stage: {name: example for name, example in given.items() if name in present}
+        for stage, given in right.items()
     }
     run_pipeline("Interleaved1F1B", local_group, device, right).check(
         "two stages on one rank, right output_args, output_grads and input_grads"
@@ -703,7 +738,8 @@ def test_stage_example_tensors_and_mesh_callback(rank_ctx, impl):
     local_mesh = rank_ctx.mesh((rank_ctx.world_size, 1), ("replica", "pp"))["pp"]
     check_static_shapes(pipelined, rank_ctx.device)
     check_inferred_shapes_checked(local_mesh.get_group(), rank_ctx.device)
-    check_mesh_callback(local_mesh, rank_ctx.device)
+    if accepts(PipelineStage.__init__, "get_mesh"):
+        check_mesh_callback(local_mesh, rank_ctx.device)
 
 
 # --- the tracer front end: pipeline(), pipe_split, SplitPoint, build_stage --------------------
