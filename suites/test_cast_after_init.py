@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 from collections.abc import Iterator
 
+import pytest
 import torch
 from torch.distributed.tensor import DTensor
 
@@ -25,7 +27,7 @@ from harness.parity import (
     average_gradients,
     tolerance,
 )
-from suites.cases import conformance
+from suites.cases import conformance, grid
 from suites.models import MLP
 from suites.training import STEPS, zero_grad
 
@@ -79,8 +81,15 @@ def run_cast_after_init(rank_ctx, distribute) -> None:
 
 
 @conformance("fsdp.cast_after_init")
-def test_to_float64_after_init(rank_ctx, impl):
-    run_cast_after_init(rank_ctx, impl.fully_shard)
+@pytest.mark.parametrize("point", grid(offload=["none", "cpu"]))
+def test_to_float64_after_init(rank_ctx, impl, point):
+    """With ``CPUOffloadPolicy`` the sharded parameters live on the CPU, and the cast keeps
+    them there: an implementation that refuses CPU-resident shards when it rebuilds its
+    buffers after the cast fails."""
+    options = {}
+    if point["offload"] == "cpu":
+        options["offload_policy"] = impl.CPUOffloadPolicy(pin_memory=rank_ctx.device.type != "cpu")
+    run_cast_after_init(rank_ctx, functools.partial(impl.fully_shard, **options))
 
 
 @conformance("replicate.cast_after_init")

@@ -295,20 +295,42 @@ def test_partial_group_reshard_toggle(rank_ctx, impl, point):
         zero_grad(optimizer, step)
 
 
+class _RaiseInBackward(torch.autograd.Function):
+    """The identity, whose backward raises: placed on a module's input, it fails a backward
+    after the module's own weight gradients were produced."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("boom")
+
+
 class Raiser(nn.Module):
+    """``inner``, failing when armed: in its forward, or in the backward through its input."""
+
     def __init__(self, inner: nn.Module) -> None:
         super().__init__()
         self.inner = inner
-        self.armed = False
+        self.armed: str | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.armed:
+        if self.armed == "forward":
             raise RuntimeError("boom")
+        if self.armed == "backward":
+            x = _RaiseInBackward.apply(x)
         return self.inner(x)
 
 
 @conformance("fsdp.partial.reset_iter_state")
-def test_reset_iter_state_after_exception(rank_ctx, impl):
+@pytest.mark.parametrize("point", grid(fails_in=["forward", "backward"]))
+def test_reset_iter_state_after_exception(rank_ctx, impl, point):
+    """A step fails in forward (the root's group left unsharded), or in backward after the
+    body's weight got its gradient and the head's group reduced (the root's group left
+    unsharded with a gradient it never reduced). ``reset_iter_state()`` must drop that
+    unreduced gradient: the next full step's gradients are the plain model's alone."""
     torch.manual_seed(42)
     with torch.device(rank_ctx.device):
         model = ChunkedHeadModel(DIM, VOCAB)
@@ -317,10 +339,13 @@ def test_reset_iter_state_after_exception(rank_ctx, impl):
     impl.fully_shard([model.norm, model.head])
     impl.fully_shard(model)
     tokens = torch.randint(0, VOCAB, (2, 16), device=rank_ctx.device)
-    model.body.armed = True
+    model.body.armed = point["fails_in"]
     with pytest.raises(RuntimeError, match="boom"):
-        model(tokens, skip_head=True)
-    model.body.armed = False
+        if point["fails_in"] == "forward":
+            model(tokens, skip_head=True)
+        else:
+            model(tokens).sum().backward()
+    model.body.armed = None
     managed = [m for m in model.modules() if impl.is_managed(m)]
     held = [type(m).__name__ for m in managed if impl.is_group_unsharded(m)]
     assert held, "the failed forward left no group unsharded: nothing for the reset to undo"
@@ -330,6 +355,9 @@ def test_reset_iter_state_after_exception(rank_ctx, impl):
     assert not still_held, f"groups of {still_held} are still unsharded after reset_iter_state()"
     for name, p in model.named_parameters():
         assert isinstance(p, DTensor), f"{name} is not a sharded DTensor after reset_iter_state()"
+    # The head's group reduced before the failure: its sharded gradients are the caller's to
+    # drop, as after any step.
+    model.zero_grad(set_to_none=True)
     loss = model(tokens).sum()
     loss.backward()
     ref_loss = reference(tokens).sum()
