@@ -51,14 +51,20 @@ def assert_float64(tensor: torch.Tensor, what: str) -> None:
 def run_cast_after_init(rank_ctx, distribute) -> None:
     with swap_tensors_on_conversion():
         model = MLP(4, rank_ctx.device)
+        # A frozen parameter stays frozen through the cast: no gradient, no optimizer update.
+        model.in_proj.bias.requires_grad_(False)
         reference = copy.deepcopy(model).to(torch.float64)
         ref_optimizer = torch.optim.Adam(reference.parameters(), lr=1e-2)
         for module in (model.in_proj, model.out_proj, model):
             distribute(module)
         model.to(torch.float64)
-        for p in model.parameters():
+        for name, p in model.named_parameters():
             assert isinstance(p, DTensor), "a parameter stopped being a DTensor after .to()"
             assert_float64(p, "parameter after .to(float64)")
+            expected = reference.get_parameter(name).requires_grad
+            assert p.requires_grad == expected, (
+                f"{name}: requires_grad={p.requires_grad} after .to(float64), was {expected}"
+            )
         optimizer = torch.optim.Adam(model.parameters(), lr=1e-2, foreach=True)
         assert_sharded_parity(reference, model, check_grads=False)
         torch.manual_seed(42 + rank_ctx.rank + 1)
@@ -71,9 +77,12 @@ def run_cast_after_init(rank_ctx, distribute) -> None:
             average_gradients(reference)
             assert_losses_equal(step, loss, ref_loss)
             assert_sharded_parity(reference, model)
-            for p in model.parameters():
+            for name, p in model.named_parameters():
                 assert_float64(p, "parameter")
-                assert_float64(p.grad, "gradient")
+                if p.requires_grad:
+                    assert_float64(p.grad, "gradient")
+                else:
+                    assert p.grad is None, f"frozen {name} got a gradient"
             for opt in (optimizer, ref_optimizer):
                 opt.step()
                 zero_grad(opt, step)
