@@ -319,20 +319,23 @@ def test_all_reduce_hook_sees_and_changes_each_reduced_gradient(rank_ctx, impl, 
 @conformance("fsdp.reduce_controls.separate_reduce_scatter_group")
 def test_reduce_scatters_run_on_a_group_of_their_own(rank_ctx, impl):
     """``set_separate_reduce_scatter_group(True, recurse=True)`` on the root of two blocks
-    under a root group: every gradient reduce-scatter runs on a process group over the same
-    shard ranks that is not the one the all-gathers use; then ``(False, recurse=False)``: the
-    root's reduce-scatter goes back to the all-gathers' group, the blocks' stay on their own
-    (a block's size names its reduce-scatter). Gradients are the plain model's throughout.
-    Fails on ``tests.suites.broken:ignore_separate_reduce_scatter_group`` ("the reduce-scatters
-    ran on the all-gathers' group").
+    under a root group, on a (2, 2) HSDP mesh whose two shard groups hold other ranks (a group
+    each rank makes for its own shard ranks alone): every gradient reduce-scatter runs on a
+    process group over the same shard ranks that is not the one the all-gathers use; then
+    ``(False, recurse=False)``: the root's reduce-scatter goes back to the all-gathers' group,
+    the blocks' stay on their own (a block's size names its reduce-scatter). Gradients are the
+    plain model's throughout. Fails on
+    ``tests.suites.broken:ignore_separate_reduce_scatter_group`` ("the reduce-scatters ran on
+    the all-gathers' group").
 
     One case creates the separate group in a session: torch names a group made with
     ``use_local_synchronization=True`` after its ranks and the number of live groups, so a
     second one made after the harness destroyed the first reuses its name and store keys, and
     its gloo rendezvous can read the first one's stale addresses and hang."""
-    model, reference, plan = two_block_stack(rank_ctx, impl)
+    mesh = rank_ctx.mesh((2, rank_ctx.world_size // 2), ("rep", "shard"))
+    model, reference, plan = two_block_stack(rank_ctx, impl, mesh)
     everyone = {group.name for group in plan.groups}
-    world = tuple(range(rank_ctx.world_size))
+    shard = tuple(dist.get_process_group_ranks(mesh["shard"].get_group()))
     expected = [(True, True, everyone), (False, False, everyone - {"root"})]
     torch.manual_seed(42 + rank_ctx.rank + 1)
     for value, recurse, separate in expected:
@@ -341,10 +344,10 @@ def test_reduce_scatters_run_on_a_group_of_their_own(rank_ctx, impl):
             forward_backward(rank_ctx, model, reference)
         gathers = trace.select("all_gather")
         scatters = trace.select("reduce_scatter")
-        assert gathers and {c.group_ranks for c in gathers} == {world}, trace.schedule()
-        assert scatters and {c.group_ranks for c in scatters} == {world}, (
+        assert gathers and {c.group_ranks for c in gathers} == {shard}, trace.schedule()
+        assert scatters and {c.group_ranks for c in scatters} == {shard}, (
             f"the reduce-scatters ran over ranks {sorted({c.group_ranks for c in scatters})}, "
-            f"not the shard ranks {world}"
+            f"not the shard ranks {shard}"
         )
         gather_groups = {call.group_name for call in gathers}
         on_own, shared = set(), set()

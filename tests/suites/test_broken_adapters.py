@@ -195,7 +195,7 @@ ROWS = [
     ),
     row(
         "test_reduce_controls",
-        "test_reduce_scatters_run_on_a_group_of_their_own[ws2]",
+        "test_reduce_scatters_run_on_a_group_of_their_own[ws4]",
         "ignore_separate_reduce_scatter_group_torch",
         "ran on the all-gathers' group",
         torch_needs="separate_reduce_scatter_group",
