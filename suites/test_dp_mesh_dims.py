@@ -33,7 +33,11 @@ LAYOUTS: dict[str, tuple[tuple[str, str], str | None, str | None]] = {
     "hsdp": (("dp", "rep"), "dp", "rep"),
     # replicate (DDP) over "dp", the second dim.
     "replicate": (("other", "dp"), None, "dp"),
+    # fully_shard told of a replicate dim only: DDP through fully_shard, nothing sharded.
+    "fully_shard_replicate": (("other", "dp"), None, "dp"),
 }
+#: The layouts applied with ``replicate``; ``fully_shard`` applies the others.
+REPLICATE_LAYOUTS = frozenset({"replicate"})
 
 
 def mesh_shape(names: tuple[str, str], data_parallel: str, world_size: int) -> tuple[int, int]:
@@ -55,9 +59,10 @@ def _ranks(mesh, name: str | None) -> tuple[int, ...]:
 def test_named_data_parallel_dims_of_a_full_mesh(rank_ctx, impl, point):
     """``fully_shard(..., mesh=spmd_mesh, dp_mesh_dims=DataParallelMeshDims(shard=...,
     replicate=...))`` (or ``replicate`` with a replicate dim): sharded parameters are
-    ``DTensor``s on the full mesh, ``Shard(0)`` on the shard dim only; every all-gather and
-    reduce-scatter runs over the shard dim's ranks, every all-reduce over the replicate dim's;
-    the forward equals the plain model's and the gradients are the data-parallel average.
+    ``DTensor``s on the full mesh, ``Shard(0)`` on the shard dim only (none without one);
+    every all-gather and reduce-scatter runs over the shard dim's ranks, every all-reduce over
+    the replicate dim's; the forward equals the plain model's and the gradients are the
+    data-parallel average.
     Fails on ``tests.suites.broken:dp_mesh_dims_on_the_wrong_dim`` ("placements of
     '0.in_proj.weight': (Replicate(), Shard(dim=0)); expected (Shard(dim=0), Replicate())",
     and for replicate "all_reduce ran over ranks [(1, 3)]; dp_mesh_dims allows only
@@ -71,7 +76,7 @@ def test_named_data_parallel_dims_of_a_full_mesh(rank_ctx, impl, point):
     reference = copy.deepcopy(model)
     distribute_module(model, mesh)  # every parameter Replicate() on both dims
     dims = impl.DataParallelMeshDims(shard=shard_name, replicate=replicate_name)
-    apply = impl.fully_shard if shard_name is not None else impl.replicate
+    apply = impl.replicate if point["dims"] in REPLICATE_LAYOUTS else impl.fully_shard
     for mlp in model:
         apply(mlp, mesh=mesh, dp_mesh_dims=dims)
     apply(model, mesh=mesh, dp_mesh_dims=dims)
