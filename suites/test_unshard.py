@@ -10,8 +10,8 @@
 * ``set_unshard_in_backward(False)``: that group is never all-gathered in backward, not even
   as a prefetch target, and still gets the right gradients; set back to ``True`` for one
   step, it is gathered in backward again.
-* ``set_keep_unsharded_storage(True)``: reshard keeps the unsharded storage, and the next
-  unshard fills the same memory.
+* ``reshard()`` frees the unsharded parameters; ``set_keep_unsharded_storage(True)``: reshard
+  keeps the unsharded storage, and the next unshard fills the same memory.
 """
 
 from __future__ import annotations
@@ -158,6 +158,33 @@ def test_unshard_in_backward_false_skips_the_gather(rank_ctx, impl):
         make_optimizer=adam,
         before_step=toggle,
     )
+
+
+@conformance("fsdp.reshard.frees_unsharded")
+def test_reshard_frees_the_unsharded_parameters(rank_ctx, impl):
+    """``reshard()`` frees the unsharded parameters (``FSDPModule.reshard``: "freeing the
+    unsharded parameters if they are allocated"): one held after ``unshard()`` has its storage
+    resized to 0 bytes by ``reshard()``, and the next ``unshard()`` gathers the plain model's
+    values again. An implementation that keeps the unsharded memory by default (what
+    ``set_keep_unsharded_storage(True)`` asks for) holds a whole copy of every group."""
+    model, reference = sharded_mlp_stack(impl, rank_ctx.device)
+    mlp, plain = model[0], reference[0]
+    for attempt in ("first", "second"):
+        mlp.unshard()
+        held = dict(mlp.named_parameters())
+        for name, param in held.items():
+            torch.testing.assert_close(
+                param.detach(),
+                plain.get_parameter(name).detach(),
+                msg=lambda m, name=name, attempt=attempt: f"{attempt} unshard(): {name}: {m}",
+            )
+        mlp.reshard()
+        kept = [
+            f"{name!r} still holds {param.untyped_storage().nbytes()} bytes after reshard()"
+            for name, param in held.items()
+            if param.untyped_storage().nbytes() != 0
+        ]
+        assert not kept, "\n".join(kept)
 
 
 @conformance("fsdp.keep_unsharded_storage")
