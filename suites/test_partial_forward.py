@@ -353,6 +353,12 @@ def test_reset_iter_state_after_exception(rank_ctx, impl, point):
     # Documented: the reset reshards every parameter group.
     still_held = [type(m).__name__ for m in managed if impl.is_group_unsharded(m)]
     assert not still_held, f"groups of {still_held} are still unsharded after reset_iter_state()"
+    # Documented too: the per-iteration trackers are cleared, the modules a group still
+    # waited to see run forward among them.
+    pending = {type(m).__name__: impl.modules_to_run_forward(m) for m in managed}
+    assert not any(pending.values()), (
+        f"modules still expected to run forward after reset_iter_state(): {pending}"
+    )
     for name, p in model.named_parameters():
         assert isinstance(p, DTensor), f"{name} is not a sharded DTensor after reset_iter_state()"
     # The head's group reduced before the failure: its sharded gradients are the caller's to
