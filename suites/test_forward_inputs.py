@@ -10,20 +10,29 @@ from suites.cases import conformance
 
 
 class ParamlessModule(nn.Module):
-    """Checks inside forward that every input, nested ones too, is on the rank's device."""
+    """Checks inside forward that every input, nested ones too (a tuple, a dict keyword), is
+    on the rank's device, and that a plain float argument arrives untouched."""
 
     def __init__(self, device: torch.device) -> None:
         super().__init__()
         self.device = device
         self.seen: list[torch.device] = []
 
-    def forward(self, x: torch.Tensor, ys: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        for tensor in (x, *ys):
+    def forward(
+        self,
+        x: torch.Tensor,
+        ys: tuple[torch.Tensor, torch.Tensor],
+        scale: float,
+        *,
+        named: dict[str, torch.Tensor],
+    ) -> torch.Tensor:
+        assert isinstance(scale, float), f"a float argument arrived as {type(scale).__name__}"
+        for tensor in (x, *ys, named["z"]):
             self.seen.append(tensor.device)
             assert tensor.device.type == self.device.type, f"input left on {tensor.device}"
             if self.device.index is not None:
                 assert tensor.device.index == self.device.index, f"input on {tensor.device}"
-        return x + ys[0] + ys[1]
+        return scale * (x + ys[0] + ys[1]) + named["z"]
 
 
 def run_move_forward_input(rank_ctx, distribute) -> None:
@@ -34,10 +43,11 @@ def run_move_forward_input(rank_ctx, distribute) -> None:
     # On the CPU on purpose, whatever the rank's device: the root must move them there.
     x = torch.randn(3, device="cpu")
     ys = (torch.randn(3, device="cpu"), torch.randn(3, device="cpu"))
-    out = model(x, ys)
-    assert len(model.seen) == 3, "forward did not see both the tensor and the nested tuple"
+    named = {"z": torch.randn(3, device="cpu")}
+    out = model(x, ys, 2.0, named=named)
+    assert len(model.seen) == 4, "forward did not see the tensor, the nested tuple and the dict"
     assert out.device.type == device.type
-    torch.testing.assert_close(out.cpu(), x + ys[0] + ys[1])
+    torch.testing.assert_close(out.cpu(), 2.0 * (x + ys[0] + ys[1]) + named["z"])
 
 
 @conformance("fsdp.forward_inputs.move_to_device")
