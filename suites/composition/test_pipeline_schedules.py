@@ -63,6 +63,7 @@ import copy
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -230,6 +231,47 @@ def merged(outputs: list[torch.Tensor]) -> torch.Tensor:
 # --- one pipeline over the ranks --------------------------------------------------------------
 
 
+class RankStages(NamedTuple):
+    """This rank's part of a pipeline: its stage indices, the pipeline's layers (this rank's
+    filled in), their replay, and the stages built on them."""
+
+    indices: list[int]
+    num_stages: int
+    layers: list[StageLayer]
+    replay: ScheduleReplay
+    stages: list[PipelineStage]
+
+
+def stages_on_this_rank(
+    schedule: str,
+    group: dist.ProcessGroup,
+    device: torch.device,
+    n_microbatches: int,
+    *,
+    scale_grads: bool = False,
+) -> RankStages:
+    """The stages ``schedule`` places on this rank of ``group`` (batch split along dim 1 where
+    the schedule takes chunk specs), with the replay of the whole model."""
+    pp_rank, pp_size = dist.get_rank(group), dist.get_world_size(group)
+    indices = stage_placement(schedule, pp_rank, pp_size)
+    num_stages = len(indices) * pp_size
+    layers, reference_layers = build_layers(
+        num_stages, device, features_first=features_first(schedule)
+    )
+    replay = ScheduleReplay(
+        reference_layers,
+        n_microbatches,
+        ScaledSquaredError(),
+        loss_kwargs_for(schedule),
+        batch_dim=1 if features_first(schedule) else 0,
+        scale_grads=scale_grads,
+    )
+    stages = [
+        PipelineStage(layers[index], index, num_stages, device, group=group) for index in indices
+    ]
+    return RankStages(indices, num_stages, layers, replay, stages)
+
+
 def check_pipelined_run(
     schedule: str,
     pp_group: dist.ProcessGroup,
@@ -245,22 +287,9 @@ def check_pipelined_run(
     gradients, the returned outputs and, deferred, when the last rank's receives are posted.
     Returns how far ahead of its consumer each receive of this rank was posted."""
     pp_rank, pp_size = dist.get_rank(pp_group), dist.get_world_size(pp_group)
-    indices = stage_placement(schedule, pp_rank, pp_size)
-    num_stages = len(indices) * pp_size
-    layers, reference_layers = build_layers(
-        num_stages, device, features_first=features_first(schedule)
+    indices, num_stages, layers, replay, stages = stages_on_this_rank(
+        schedule, pp_group, device, n_microbatches, scale_grads=scale_grads
     )
-    replay = ScheduleReplay(
-        reference_layers,
-        n_microbatches,
-        ScaledSquaredError(),
-        loss_kwargs_for(schedule),
-        batch_dim=1 if features_first(schedule) else 0,
-        scale_grads=scale_grads,
-    )
-    stages = [
-        PipelineStage(layers[index], index, num_stages, device, group=pp_group) for index in indices
-    ]
     log = ActionLog()
     for stage in stages:
         log.install(stage)
@@ -337,22 +366,9 @@ def check_forward_only(
     schedules on any number): torch 2.13 still runs their backward actions and hands the
     earlier stage a gradient the later never computed ("can't steal_bwd_input if this stage
     doesn't have backward")."""
-    pp_rank, pp_size = dist.get_rank(group), dist.get_world_size(group)
-    indices = stage_placement(schedule, pp_rank, pp_size)
-    num_stages = len(indices) * pp_size
-    layers, reference_layers = build_layers(
-        num_stages, device, features_first=features_first(schedule)
+    indices, num_stages, layers, replay, stages = stages_on_this_rank(
+        schedule, group, device, n_microbatches
     )
-    replay = ScheduleReplay(
-        reference_layers,
-        n_microbatches,
-        ScaledSquaredError(),
-        loss_kwargs_for(schedule),
-        batch_dim=1 if features_first(schedule) else 0,
-    )
-    stages = [
-        PipelineStage(layers[index], index, num_stages, device, group=group) for index in indices
-    ]
     pipeline = schedule_for(
         schedule, stages, n_microbatches=n_microbatches, **chunking_options(schedule)
     )
