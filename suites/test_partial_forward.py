@@ -348,7 +348,7 @@ def test_reset_iter_state_after_exception(rank_ctx, impl, point):
     model.body.armed = None
     managed = [m for m in model.modules() if impl.is_managed(m)]
     held = [type(m).__name__ for m in managed if impl.is_group_unsharded(m)]
-    assert held, "the failed forward left no group unsharded: nothing for the reset to undo"
+    assert held, "the failed step left no group unsharded: nothing for the reset to undo"
     model.reset_iter_state()
     # Documented: the reset reshards every parameter group.
     still_held = [type(m).__name__ for m in managed if impl.is_group_unsharded(m)]
