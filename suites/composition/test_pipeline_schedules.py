@@ -231,6 +231,26 @@ def merged(outputs: list[torch.Tensor]) -> torch.Tensor:
 # --- one pipeline over the ranks --------------------------------------------------------------
 
 
+def replay_of(
+    schedule: str,
+    reference_layers: list[StageLayer],
+    n_microbatches: int,
+    *,
+    scale_grads: bool = False,
+) -> ScheduleReplay:
+    """The single-process replay of ``schedule``'s step: the scaled squared error with this
+    release's ``loss_kwargs``, the batch split along dim 1 where the schedule takes chunk
+    specs."""
+    return ScheduleReplay(
+        reference_layers,
+        n_microbatches,
+        ScaledSquaredError(),
+        loss_kwargs_for(schedule),
+        batch_dim=1 if features_first(schedule) else 0,
+        scale_grads=scale_grads,
+    )
+
+
 class RankStages(NamedTuple):
     """This rank's part of a pipeline: its stage indices, the pipeline's layers (this rank's
     filled in), their replay, and the stages built on them."""
@@ -258,14 +278,7 @@ def stages_on_this_rank(
     layers, reference_layers = build_layers(
         num_stages, device, features_first=features_first(schedule)
     )
-    replay = ScheduleReplay(
-        reference_layers,
-        n_microbatches,
-        ScaledSquaredError(),
-        loss_kwargs_for(schedule),
-        batch_dim=1 if features_first(schedule) else 0,
-        scale_grads=scale_grads,
-    )
+    replay = replay_of(schedule, reference_layers, n_microbatches, scale_grads=scale_grads)
     stages = [
         PipelineStage(layers[index], index, num_stages, device, group=group) for index in indices
     ]
@@ -407,13 +420,7 @@ def check_local_run(schedule: str, local_group: dist.ProcessGroup, device: torch
     layers, reference_layers = build_layers(
         num_stages, device, features_first=features_first(schedule), records_own_graph=True
     )
-    replay = ScheduleReplay(
-        reference_layers,
-        n_microbatches,
-        ScaledSquaredError(),
-        loss_kwargs_for(schedule),
-        batch_dim=1 if features_first(schedule) else 0,
-    )
+    replay = replay_of(schedule, reference_layers, n_microbatches)
     runners = WeightRunners()
     stages = [
         PipelineStage(
