@@ -66,6 +66,9 @@ _MARKERS = (
     "device_audit(enabled=True): fail this distributed test when its body creates a tensor "
     "with a factory (torch.randn, nn.Linear, ...) and no device, which on an accelerator run "
     "would land on the CPU; device_audit(False) exempts a test from --dist-device-audit",
+    "stream_check(enabled=True): on a device that checks stream safety (the fake device), "
+    "fail this distributed test when its body leaves an access unordered between streams or "
+    "frees memory another stream may still use; stream_check(False) exempts one test",
 )
 
 

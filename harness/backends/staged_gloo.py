@@ -11,7 +11,28 @@ reduce-scatter), which FSDP2 needs.
 
 It is for correctness runs, not speed: each collective costs two host copies. Its work is
 gloo's: asynchronous as gloo's is, and the results are on the device once it is waited for
-(or its future completes). Operation names follow the installed
+(or its future completes).
+
+On a device with streams it keeps the stream semantics torch documents for NCCL process
+groups, so that code which forgets a wait is wrong here as it is there:
+
+- a collective waits for the issuing thread's current stream (its inputs are ready);
+- it reads its inputs and writes its outputs on the group's own stream, one per device;
+- ``Work.wait()`` makes the waiting thread's current stream wait for that work;
+- a blocking call (``async_op=False``) is that wait, done by c10d itself;
+- the work holds its tensors until it is waited for, so memory a caller drops early is not
+  freed under the collective (NCCL's work stashes them, ``TORCH_NCCL_AVOID_RECORD_STREAMS``);
+  once waited, a tensor's memory goes back to the stream that allocated it, which is
+  ordered after the collective only if that stream waited;
+- a completed ``get_future()`` means the host waited for the work.
+
+On a device that checks stream safety (:func:`harness.devices.stream_checker`, the fake
+device), the collective is reported to the checker as one kernel on the group's stream at
+issue, reading the inputs and writing the outputs; the host copies that carry it are not
+checked, being that kernel's own work. A read of an output on the current stream with no
+``wait()`` before it is then an unordered read of the collective's write.
+
+Operation names follow the installed
 torch's c10d: 2.13's ``all_gather_single`` / ``reduce_scatter_single`` /
 ``all_to_all_single`` and the names older releases call (``_allgather_base``...).
 """
@@ -19,7 +40,8 @@ torch's c10d: 2.13's ``all_gather_single`` / ``reduce_scatter_single`` /
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
 
@@ -27,6 +49,7 @@ import torch
 import torch.distributed as dist
 
 from harness.backends.python_group import PythonProcessGroup
+from harness.devices import StreamChecker, current_stream_set, stream_checker
 
 BACKEND_NAME = "staged_gloo"
 
@@ -37,29 +60,44 @@ class StagedWork(dist.Work):
     """The handle of gloo's work on the host copies; waiting copies the results back.
 
     The copy back happens once, on whichever comes first: ``wait`` on the issuing thread,
-    or the completion of ``get_future``'s future (what functional collectives wait on).
+    or the completion of ``get_future``'s future. ``done`` are the events recorded on the
+    group's stream after the collective (none on the CPU): ``wait`` makes the current
+    stream wait for them. ``held`` are the device tensors the collective uses, kept alive
+    until then.
     """
 
     def __init__(
-        self, inner: Sequence[dist.Work], copy_back: Callable[[], None], result: list
+        self,
+        inner: Sequence[dist.Work],
+        copy_back: Callable[[bool], None],
+        result: list,
+        done: Sequence[torch.Event] = (),
+        held: Sequence[torch.Tensor] = (),
     ) -> None:
         super().__init__()
         self._inner = list(inner)
         self._copy_back = copy_back
         self._result = result
+        self._done = list(done)
+        self._held = list(held)
         self._lock = threading.Lock()
         self._copied = False
 
-    def _finish(self) -> None:
+    def _finish(self, synchronize: bool) -> None:
         with self._lock:
             if not self._copied:
-                self._copy_back()
+                self._copy_back(synchronize)
                 self._copied = True
+            self._held = []
 
     def wait(self, timeout: timedelta = timedelta(0)) -> bool:
         for work in self._inner:
             work.wait(timeout)
-        self._finish()
+        for event in self._done:
+            torch.accelerator.current_stream(event.device).wait_event(event)
+        # On the waiting stream, after its wait: whoever reads the outputs next orders
+        # itself after this stream, as after an NCCL wait.
+        self._finish(synchronize=False)
         return True
 
     def is_completed(self) -> bool:
@@ -71,10 +109,14 @@ class StagedWork(dist.Work):
     def get_future(self) -> torch.futures.Future:
         futures = [work.get_future() for work in self._inner]
 
-        def finish(done: torch.futures.Future) -> list:
-            for future in done.value():
+        def finish(completed: torch.futures.Future) -> list:
+            for future in completed.value():
                 future.value()  # raises gloo's error, if any
-            self._finish()
+            # On gloo's thread, whose stream nobody waits for: the copies are complete when
+            # this returns, and the host has waited for the collective.
+            for event in self._done:
+                event.synchronize()
+            self._finish(synchronize=True)
             return self._result
 
         return torch.futures.collect_all(futures).then(finish)
@@ -87,21 +129,32 @@ def _to_host(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.detach().to("cpu", copy=True)
 
 
-def _back(device_tensors: Tensors, host_tensors: Tensors) -> None:
-    """Copy results gloo wrote on the CPU into the device tensors they stand for.
-
-    The copies are complete when this returns: a host-to-device copy may still be in flight
-    on the stream that issued it, and the tensor's next reader may be on another stream (or
-    this may run on gloo's completion thread, whose stream nobody waits for).
-    """
+def _back(device_tensors: Tensors, host_tensors: Tensors, synchronize: bool) -> None:
+    """Copy results gloo wrote on the CPU into the device tensors they stand for, on the
+    current stream; with ``synchronize``, complete when this returns."""
     devices = set()
     with torch.no_grad():
         for device_tensor, host in zip(device_tensors, host_tensors, strict=True):
             if host is not device_tensor:
                 device_tensor.copy_(host)
                 devices.add(device_tensor.device)
-    for device in devices:
-        torch.accelerator.current_stream(device).synchronize()
+    if synchronize:
+        for device in devices:
+            torch.accelerator.current_stream(device).synchronize()
+
+
+def _device_of(tensors: Tensors) -> torch.device | None:
+    """The accelerator the tensors are on, or None for host tensors."""
+    return next((t.device for t in tensors if t.device.type != "cpu"), None)
+
+
+@contextmanager
+def _unchecked(checker: StreamChecker | None) -> Iterator[None]:
+    if checker is None:
+        yield
+    else:
+        with checker.stream_check_paused():
+            yield
 
 
 class StagedGlooProcessGroup(PythonProcessGroup):
@@ -117,6 +170,7 @@ class StagedGlooProcessGroup(PythonProcessGroup):
     ) -> None:
         super().__init__(rank, size, name=group_name, backend_name=BACKEND_NAME)
         self._gloo = dist.ProcessGroupGloo(dist.PrefixStore("staged/", store), rank, size, timeout)
+        self._streams: dict[torch.device, torch.Stream] = {}
 
     # --- identity ----------------------------------------------------------------------------
 
@@ -144,10 +198,34 @@ class StagedGlooProcessGroup(PythonProcessGroup):
                 staged[id(tensor)] = _to_host(tensor)
             return staged[id(tensor)]
 
-        host_reads = [stage(t) for t in reads]
-        host_writes = [stage(t) for t in writes]
+        device = _device_of([*reads, *writes])
+        if device is None:
+            work = issue(*build([stage(t) for t in reads], [stage(t) for t in writes]))
+            return StagedWork([work], lambda _: None, list(writes))
+        checker = stream_checker(device.type)
+        stream = self._stream_for(device)
+        stream.wait_stream(torch.accelerator.current_stream(device))
+        with current_stream_set(stream):
+            if checker is not None:
+                checker.record_kernel(f"c10d::{issue.__name__}", list(reads), list(writes))
+            with _unchecked(checker):
+                host_reads = [stage(t) for t in reads]
+                host_writes = [stage(t) for t in writes]
+            done = stream.record_event()
         work = issue(*build(host_reads, host_writes))
-        return StagedWork([work], lambda: _back(writes, host_writes), list(writes))
+
+        def copy_back(synchronize: bool) -> None:
+            with _unchecked(checker):
+                _back(writes, host_writes, synchronize)
+
+        return StagedWork([work], copy_back, list(writes), [done], [*reads, *writes])
+
+    def _stream_for(self, device: torch.device) -> torch.Stream:
+        """The group's own stream on ``device``, as an NCCL group has one per device."""
+        stream = self._streams.get(device)
+        if stream is None:
+            stream = self._streams[device] = torch.Stream(device=device)
+        return stream
 
     # --- collectives (``opts`` is passed on only when given: gloo has its own defaults) ----
 
@@ -259,7 +337,7 @@ class StagedGlooProcessGroup(PythonProcessGroup):
         return self._run(self._gloo.recv, [], tensors, lambda r, w: (w, src, tag))
 
     def barrier(self, opts: Any = None) -> StagedWork:
-        return StagedWork([self._gloo.barrier(*_given(opts))], lambda: None, [])
+        return StagedWork([self._gloo.barrier(*_given(opts))], lambda _: None, [])
 
 
 def _given(opts: Any) -> tuple[Any, ...]:
@@ -285,11 +363,13 @@ def _flatten(
 def _joined(works: list[StagedWork], result: list) -> StagedWork:
     """One handle for several staged works: waiting it waits (and copies back) each."""
 
-    def copy_back() -> None:
+    def copy_back(synchronize: bool) -> None:
         for work in works:
-            work._finish()
+            work._finish(synchronize)
 
-    return StagedWork([w for work in works for w in work._inner], copy_back, result)
+    inner = [w for work in works for w in work._inner]
+    done = [e for work in works for e in work._done]
+    return StagedWork(inner, copy_back, result, done, [t for work in works for t in work._held])
 
 
 def _create(backend_opts: Any, backend_options: Any) -> StagedGlooProcessGroup:

@@ -156,6 +156,7 @@ class DistSettings:
     rendezvous: str = "file"
     memory_limit: int | None = None
     device_audit: bool = False
+    stream_check: bool = True
     share_devices: bool = False
     #: pytest's warning filters (ini ``filterwarnings``, then ``-W``), each with whether its
     #: text is literal: shipped to ranks that keep a warnings state of their own.

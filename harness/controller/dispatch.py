@@ -56,6 +56,7 @@ def build_task(
     memory_limit: int | None = None,
     warning_filters: tuple[tuple[str, bool], ...] = (),
     device_audit: bool = False,
+    stream_check: bool = True,
     assertions: AssertionSettings | None = None,
 ) -> RankTask:
     """``fn(*args, **kwargs)`` packed for the ranks; raises ``TaskPackingError`` when it
@@ -72,6 +73,7 @@ def build_task(
         memory_limit=memory_limit,
         warning_filters=warning_filters,
         device_audit=device_audit,
+        stream_check=stream_check,
         rewritten=rewritten_modules() if assertions is not None else (),
         assertions=assertions,
     )

@@ -208,6 +208,7 @@ def run_item_body(
             memory_limit=settings.memory_limit,
             warning_filters=settings.warning_filters,
             device_audit=settings.device_audit,
+            stream_check=settings.stream_check,
             assertions=settings.assertions,
         )
     except TaskPackingError as exc:

@@ -60,6 +60,7 @@ class ItemSettings:
     outer_limit: OuterLimit | None
     memory_limit: int | None
     device_audit: bool
+    stream_check: bool
     warning_filters: tuple[tuple[str, bool], ...]
     #: None under torchrun: every rank there is a pytest process that rewrote its modules.
     assertions: AssertionSettings | None
@@ -101,7 +102,8 @@ def _resolve(item: pytest.Item) -> ItemSettings | None:
         )
     launcher = launcher_named(run.launcher)
     memory_limit = _memory_limit(item, run)
-    device_audit = _device_audit(item, run)
+    device_audit = _enabled_by_marker(item, "device_audit", run.device_audit)
+    stream_check = _enabled_by_marker(item, "stream_check", run.stream_check)
     reproduce = _reproducer(item, run, launcher, world, world_size)
     skip_reason = _cannot_run(item, run, launcher, world_size, memory_limit)
     return ItemSettings(
@@ -111,6 +113,7 @@ def _resolve(item: pytest.Item) -> ItemSettings | None:
         outer_limit=outer_limit_for(item, item.stash.get(STARTED_KEY, time.monotonic())),
         memory_limit=memory_limit,
         device_audit=device_audit,
+        stream_check=stream_check,
         # Ranks that share one warnings state (threads) capture nothing.
         warning_filters=run.warning_filters if launcher.isolates_warnings else (),
         assertions=assertions,
@@ -150,15 +153,15 @@ def _memory_limit(item: pytest.Item, run: DistSettings) -> int | None:
         raise pytest.UsageError(f"{item.nodeid}: {exc}") from None
 
 
-def _device_audit(item: pytest.Item, run: DistSettings) -> bool:
-    """The ``device_audit`` marker, else --dist-device-audit / ini ``dist_device_audit``."""
-    marker = item.get_closest_marker("device_audit")
+def _enabled_by_marker(item: pytest.Item, name: str, default: bool) -> bool:
+    """A check's own marker (``device_audit``, ``stream_check``), else the run's setting."""
+    marker = item.get_closest_marker(name)
     if marker is None:
-        return run.device_audit
+        return default
     enabled = marker.kwargs.get("enabled", marker.args[0] if marker.args else True)
     if len(marker.args) > 1 or set(marker.kwargs) - {"enabled"} or not isinstance(enabled, bool):
         raise pytest.UsageError(
-            f"{item.nodeid}: @pytest.mark.device_audit takes one optional bool (enabled), got "
+            f"{item.nodeid}: @pytest.mark.{name} takes one optional bool (enabled), got "
             f"args {marker.args!r} and kwargs {marker.kwargs!r}"
         )
     return enabled
@@ -221,6 +224,8 @@ def _reproducer(
     ]
     if run.device_audit:
         args.append("--dist-device-audit")
+    if not run.stream_check:
+        args.append("--no-dist-stream-check")
     if run.share_devices:
         args.append("--dist-share-devices")
     for extra in item.config.hook.pytest_distconform_reproducer_args(config=item.config):

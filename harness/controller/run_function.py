@@ -39,6 +39,7 @@ def launch(
     rendezvous: str = "file",
     echo: Callable[[str], None] | None = None,
     device_audit: bool = False,
+    stream_check: bool = True,
     share_devices: bool = False,
 ) -> RunResult:
     """Run ``fn(*args, **kwargs)`` on every rank of a fresh pool; return every rank's result.
@@ -47,7 +48,9 @@ def launch(
     picklable. Inside ``fn``, ``harness.get_rank_context()`` gives the rank's context.
     Nothing is raised for a failing rank: inspect the returned :class:`RunResult`.
     ``device_audit`` fails ``fn`` on a rank when it creates a tensor without a device
-    (:mod:`harness.rank.device_audit`). ``share_devices`` places the ranks round-robin on
+    (:mod:`harness.rank.device_audit`). ``stream_check`` fails it on a rank when, on a device
+    that checks stream safety, it leaves an access unordered between streams
+    (:mod:`harness.rank.stream_safety`). ``share_devices`` places the ranks round-robin on
     fewer devices than ranks, where the backend can share one (``--dist-share-devices``).
     """
     world_size = check_world_size(world_size)
@@ -80,6 +83,7 @@ def launch(
         seed=seed,
         deadline=deadline,
         device_audit=device_audit,
+        stream_check=stream_check,
     )
     key = pool_key(
         launcher=launcher,

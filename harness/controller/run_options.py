@@ -92,6 +92,15 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "(default: ini dist_device_audit, off; marker device_audit for one test)",
     )
     group.addoption(
+        "--no-dist-stream-check",
+        dest="dist_stream_check",
+        action="store_false",
+        default=None,
+        help="do not check stream safety on devices that can (the fake device): unordered "
+        "accesses between streams and early frees (default: ini dist_stream_check, on; "
+        "marker stream_check for one test)",
+    )
+    group.addoption(
         "--dist-share-devices",
         action="store_true",
         default=False,
@@ -105,6 +114,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "place ranks round-robin on fewer devices than ranks (see --dist-share-devices)",
         type="bool",
         default=False,
+    )
+    parser.addini(
+        "dist_stream_check",
+        "check stream safety on devices that can (see --no-dist-stream-check)",
+        type="bool",
+        default=True,
     )
     parser.addini(
         "dist_device_audit",
@@ -140,9 +155,15 @@ def settings_from(config: pytest.Config) -> DistSettings:
             config.getoption("dist_memory_limit"), "--dist-memory-limit"
         ),
         device_audit=config.getoption("dist_device_audit") or config.getini("dist_device_audit"),
+        stream_check=_stream_check(config),
         share_devices=config.getoption("dist_share_devices") or config.getini("dist_share_devices"),
         warning_filters=warning_filters(config),
     )
+
+
+def _stream_check(config: pytest.Config) -> bool:
+    chosen = config.getoption("dist_stream_check")
+    return bool(config.getini("dist_stream_check")) if chosen is None else chosen
 
 
 def warning_filters(config: pytest.Config) -> tuple[tuple[str, bool], ...]:

@@ -17,6 +17,7 @@ from harness.comm import flight
 from harness.rank import hygiene
 from harness.rank.device_audit import device_audit
 from harness.rank.memory_limit import limited_memory
+from harness.rank.stream_safety import stream_safety
 from harness.rank.warning_capture import rank_warning_capture
 from harness.shared.memory_sizes import format_size, looks_like_out_of_memory
 from harness.shared.outcomes import Outcome, RankResult
@@ -110,7 +111,10 @@ def _call(task: RankTask, ctx: RankContext, result: RankResult) -> None:
         dist.group.WORLD.set_timeout(timedelta(seconds=task.pg_timeout))
     # Around the test body only: the harness's own set-up above (rank-local fixtures,
     # reseeding) and its teardown may create tensors wherever they need to.
-    with device_audit(task.device_audit, ctx.device):
+    with (
+        stream_safety(task.stream_check, ctx.device, ctx.rank),
+        device_audit(task.device_audit, ctx.device),
+    ):
         result.value = fn(*args, **kwargs)
 
 

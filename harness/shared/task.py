@@ -51,6 +51,8 @@ class RankTask:
     warning_filters: tuple[tuple[str, bool], ...] = ()
     # Fail device-less tensor factories in the test body (harness/rank/device_audit.py).
     device_audit: bool = False
+    # Check the body's stream safety where the device can (harness/rank/stream_safety.py).
+    stream_check: bool = True
     # Modules pytest rewrote in the parent, rewritten again where a rank imports them, and
     # how to explain a failed comparison; None under ``--assert=plain``.
     rewritten: RewrittenModules = ()

@@ -112,6 +112,7 @@ def test_a_stream_waits_for_the_event_it_was_given(rank_ctx):
     producer = torch.Stream(device=device)
     consumer = torch.Stream(device=device)
     source = torch.zeros(1 << 20, device=device)
+    producer.wait_stream(torch.accelerator.current_stream(device))  # the zeros come first
     with _CurrentStream(producer):
         source.fill_(3.0)
         ready = torch.Event(device=device)

@@ -64,6 +64,19 @@ the wire (numerics unchanged)
   handle with nothing left to wait for;
 * ``forward_method_once``: a registered forward method gets the hooks on its first call only;
 
+streams (numerics unchanged on the fake device: only the stream checker fails them; see
+``broken_streams.py``)
+* ``skip_all_gather_wait``: the compute stream does not wait for the all-gather before using
+  the unsharded parameters;
+* ``skip_reduce_scatter_stream_wait``: the reduce-scatter stream does not wait for the compute
+  stream before reading the gradients;
+* ``skip_final_wait``: backward ends without waiting for the last reductions;
+* ``free_reduce_scatter_input_early``: the reduce-scatter input is dropped when issued;
+* ``unshard_wait_on_wrong_stream``: ``unshard(async_op=True).wait()`` waits on a side stream;
+
+* ``post_optim_event_kept``: the post-optim event stays in force after the forward it was
+  set for, so a later forward waits on it, not on the step before it;
+
 and ``hidden_broken_gradient_sync``: ``ignore_gradient_sync`` with ``gradient_accumulation``
 left undeclared (the way to earn 100 % that profiles and refusal probes close).
 
@@ -89,6 +102,7 @@ from torch.distributed.tensor import DTensor, Shard
 from harness import torch_api
 from impl.api import Implementation, load_implementation
 from impl.reference.policies import gradient_divide_factors
+from tests.suites.broken_streams import STREAM_BREAKAGES
 
 
 def _noop(*args: Any, **kwargs: Any) -> None:
@@ -194,6 +208,24 @@ def _never_reshard(module: nn.Module) -> None:
 def _reverse_backward_prefetch(module: nn.Module) -> None:
     original = module.set_modules_to_backward_prefetch
     module.set_modules_to_backward_prefetch = lambda modules: original(list(modules)[::-1])
+
+
+def _post_optim_event_kept(module: nn.Module) -> None:
+    # The event handed to the root is never discarded: every later forward waits on the
+    # last one set, also after a step that set none (and then runs ahead of that step).
+    state = {"event": None}
+    original = module.set_post_optim_event
+
+    def keep(event: Any) -> None:
+        state["event"] = event
+        original(event)
+
+    def pre_forward(*_: Any) -> None:
+        if state["event"] is not None:
+            original(state["event"])
+
+    module.set_post_optim_event = keep
+    module.register_forward_pre_hook(pre_forward, prepend=True)
 
 
 def _keep_first_post_optim_event(module: nn.Module) -> None:
@@ -389,9 +421,11 @@ _MODULE: dict[str, Callable[[nn.Module], None]] = {
     "blocking_async_unshard": _blocking_async_unshard,
     "ignore_post_optim_event": lambda m: setattr(m, "set_post_optim_event", _noop),
     "stale_post_optim_event": _keep_first_post_optim_event,
+    "post_optim_event_kept": _post_optim_event_kept,
     "pipeline_scales_by_stages": lambda m: _install_scale_by_stages(),
     "state_dict_skips_reshard": _state_dict_skips_reshard,
     "load_into_unsharded": _load_into_unsharded,
+    **STREAM_BREAKAGES,
 }
 
 BREAKAGES = (*_MODULE, *_KWARGS, "forward_method_once")

@@ -5,8 +5,10 @@ Each row runs one suite item in a child ``python -m pytest`` with
 ``--impl tests.suites.broken:<adapter>`` and requires it to fail with the expected
 complaint (so a failure for an unrelated reason does not count). Adapters wrap torch's
 ``fully_shard`` (``*_torch``) where the bug would realistically sit in it, or the
-reference. ``test_post_optim_event`` needs device events: its rows run on the fake
-accelerator (``--device fakeaccel``), whose record of event waits the case reads.
+reference. ``test_post_optim_event`` needs device events, and the stream breakages
+(``broken_streams.py``) leave the numbers right: their rows run on the fake accelerator
+(``--device fakeaccel``), whose stream checker fails them with its message
+(:data:`UNORDERED`), or whose record of event waits the post-optim case reads.
 """
 
 from __future__ import annotations
@@ -44,6 +46,11 @@ def row(
 
 #: The post-optim event needs device events: these rows run on the fake accelerator.
 ON_A_DEVICE = ("--device", "fakeaccel")
+
+#: The stream checker's headline (harness/rank/stream_safety.py).
+UNORDERED = "access(es) to device memory that no synchronisation orders"
+
+SINGLE_GROUP = "test_train_parity_single_group_shard_dim0[ws2-lin_shapes=7x15_15x3]"
 
 
 ROWS = [
@@ -372,7 +379,59 @@ ROWS = [
         "test_post_optim_event",
         "test_post_optim_event[ws2]",
         "stale_post_optim_event_torch",
-        "waited on the post-optim event of step 0, a stale one",
+        UNORDERED,
+        options=ON_A_DEVICE,
+    ),
+    row(
+        "test_post_optim_event",
+        "test_post_optim_event[ws2]",
+        "post_optim_event_kept_torch",
+        UNORDERED,
+        fast=True,
+        options=ON_A_DEVICE,
+    ),
+    # Each drops one synchronisation between streams; only the checker sees it.
+    row(
+        "test_training_parity",
+        SINGLE_GROUP,
+        "skip_all_gather_wait_torch",
+        UNORDERED,
+        fast=True,
+        options=ON_A_DEVICE,
+    ),
+    row(
+        "test_training_parity",
+        SINGLE_GROUP,
+        "skip_reduce_scatter_stream_wait_torch",
+        UNORDERED,
+        options=ON_A_DEVICE,
+    ),
+    row(
+        "test_training_parity",
+        SINGLE_GROUP,
+        "skip_final_wait_torch",
+        UNORDERED,
+        options=ON_A_DEVICE,
+    ),
+    row(
+        "test_training_parity",
+        "test_train_parity_multi_group[ws2-raf=True-delays=none]",
+        "free_reduce_scatter_input_early_torch",
+        "uses memory allocated after a free",
+        options=ON_A_DEVICE,
+    ),
+    row(
+        "test_unshard",
+        "test_async_unshard_returns_before_its_all_gather_completes[ws2]",
+        "unshard_wait_on_wrong_stream",
+        UNORDERED,
+        options=ON_A_DEVICE,
+    ),
+    row(
+        "test_unshard",
+        "test_async_unshard_returns_before_its_all_gather_completes[ws2]",
+        "unshard_wait_on_wrong_stream_torch",
+        UNORDERED,
         options=ON_A_DEVICE,
     ),
     row(

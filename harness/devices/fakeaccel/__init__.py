@@ -34,7 +34,10 @@ VISIBILITY_VARIABLE = "FAKEACCEL_VISIBLE_DEVICES"
 COUNT_VARIABLE = "FAKEACCEL_DEVICE_COUNT"
 CACHE_VARIABLE = "DISTCONFORM_CACHE_DIR"
 LIBRARY_NAME = "distconform_fakeaccel"
-SOURCE = Path(__file__).with_name("fakeaccel.cpp")
+SOURCES = tuple(
+    Path(__file__).with_name(name)
+    for name in ("fakeaccel.cpp", "stream_checker.cpp", "stream_checker.h")
+)
 
 
 def cache_root() -> Path:
@@ -48,7 +51,8 @@ def cache_root() -> Path:
 def build_directory() -> Path:
     """One directory per source, torch and Python: a change of any of them rebuilds."""
     key = hashlib.sha256()
-    key.update(SOURCE.read_bytes())
+    for source in SOURCES:
+        key.update(source.read_bytes())
     key.update(torch.__version__.encode())
     key.update(f"{sys.version_info[:2]}-{platform.machine()}".encode())
     return cache_root() / "fakeaccel" / key.hexdigest()[:16]
@@ -74,7 +78,7 @@ def build() -> Path:
             )
             cpp_extension.load(
                 name=LIBRARY_NAME,
-                sources=[str(SOURCE)],
+                sources=[str(source) for source in SOURCES if source.suffix == ".cpp"],
                 extra_cflags=["-O2"],
                 build_directory=str(directory),
                 is_python_module=False,

@@ -10,6 +10,9 @@
 // as they are recorded. What a real device makes observable by timing (a stream that did or
 // did not wait for an event) is kept here as a record instead: every wait of a stream on an
 // event is logged, and `torch.ops.fakeaccel.take_event_waits()` hands the log to Python.
+// While the stream checker is on (`torch.ops.fakeaccel.stream_check(True)`, see
+// stream_checker.h), every kernel, stream and event operation, allocation and free is also
+// reported to it, and it finds the accesses a real device would leave unordered.
 //
 // Devices: FAKEACCEL_DEVICE_COUNT (default 8) per machine, narrowed per process by
 // FAKEACCEL_VISIBLE_DEVICES (comma-separated indices), as CUDA_VISIBLE_DEVICES narrows GPUs.
@@ -30,6 +33,8 @@
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <c10/core/impl/alloc_cpu.h>
 #include <torch/library.h>
+
+#include "stream_checker.h"
 
 #include <algorithm>
 #include <array>
@@ -87,6 +92,13 @@ c10::DeviceIndex visible_device_count() {
 }
 
 thread_local c10::DeviceIndex current_device = 0;
+// Each device's current stream, per thread, as CUDA's are.
+thread_local std::array<c10::StreamId, kMaxDevices> current_streams{};
+
+c10::Stream current_stream(c10::DeviceIndex device) {
+  return c10::Stream(c10::Stream::UNSAFE, c10::Device(kDeviceType, device),
+                     current_streams[device]);
+}
 
 void check_index(c10::DeviceIndex index) {
   TORCH_CHECK(index >= 0 && index < visible_device_count(), "fakeaccel:", int(index),
@@ -132,6 +144,7 @@ class DeviceMemory final : public c10::DeviceAllocator {
       stats.num_device_alloc += 1;
     }
     auto* allocation = new Allocation{ptr, bytes, device};
+    checker::allocated(ptr, current_stream(device), bytes);
     return {ptr, allocation, &DeviceMemory::release, c10::Device(kDeviceType, device)};
   }
 
@@ -143,7 +156,9 @@ class DeviceMemory final : public c10::DeviceAllocator {
 
   bool initialized() override { return true; }
   void emptyCache(c10::MempoolId_t) override {}  // nothing is cached: freed memory is returned
-  void recordStream(const c10::DataPtr&, c10::Stream) override {}
+  void recordStream(const c10::DataPtr& data, c10::Stream stream) override {
+    checker::record_stream(data.get(), stream);
+  }
 
   c10::CachingDeviceAllocator::DeviceStats getDeviceStats(c10::DeviceIndex device) override {
     check_index(device);
@@ -188,6 +203,10 @@ class DeviceMemory final : public c10::DeviceAllocator {
 
   static void release(void* context) {
     auto* allocation = static_cast<Allocation*>(context);
+    try {
+      checker::freed(allocation->ptr);
+    } catch (...) {  // a deleter must not throw; a lost finding beats a terminate
+    }
     instance().forget(*allocation);
     if (allocation->ptr != nullptr) {
       c10::free_cpu(allocation->ptr);
@@ -271,6 +290,8 @@ void resize_storage_bytes(const c10::Storage& storage, size_t bytes) {
   c10::DataPtr fresh = DeviceMemory::instance().allocate(bytes);
   const size_t kept = std::min(bytes, impl->nbytes());
   if (kept > 0) {
+    checker::kernel("aten::resize_", current_stream(impl->device().index()),
+                    {impl->data_ptr().get()}, {fresh.get()});
     std::memcpy(fresh.get(), impl->data(), kept);
   }
   impl->set_data_ptr_noswap(std::move(fresh));
@@ -281,7 +302,6 @@ void resize_storage_bytes(const c10::Storage& storage, size_t bytes) {
 
 std::atomic<c10::StreamId> next_stream_id{kStreamPoolSize + 1};
 std::atomic<uint32_t> next_pool_stream{0};
-thread_local std::array<c10::StreamId, kMaxDevices> current_streams{};
 
 struct Event {
   c10::DeviceIndex device = 0;
@@ -365,6 +385,7 @@ class Guard final : public c10::impl::DeviceGuardImplInterface {
     recorded->stream = stream.id();
     recorded->records += 1;
     recorded->when = std::chrono::steady_clock::now();
+    checker::event_recorded(recorded, stream);
   }
 
   void block(void* event, const c10::Stream& stream) const override {
@@ -372,6 +393,7 @@ class Guard final : public c10::impl::DeviceGuardImplInterface {
       return;  // never recorded: nothing to wait for, as on CUDA
     }
     const auto* waited = static_cast<const Event*>(event);
+    checker::event_waited(event, stream);
     std::lock_guard<std::mutex> lock(waits_mutex);
     waits.push_back({stream.device_index(), stream.id(), reinterpret_cast<int64_t>(event),
                      waited->records});
@@ -380,14 +402,29 @@ class Guard final : public c10::impl::DeviceGuardImplInterface {
   bool queryEvent(void*) const override { return true; }
 
   void destroyEvent(void* event, const c10::DeviceIndex) const noexcept override {
+    try {
+      checker::event_destroyed(event);
+    } catch (...) {
+    }
     delete static_cast<Event*>(event);
   }
 
   bool queryStream(const c10::Stream&) const override { return true; }
-  void synchronizeStream(const c10::Stream&) const override {}
-  void synchronizeEvent(void*) const override {}
-  void synchronizeDevice(const c10::DeviceIndex) const override {}
-  void recordDataPtrOnStream(const c10::DataPtr&, const c10::Stream&) const override {}
+  // Nothing to wait for (work is done when issued); what the wait orders, the checker keeps.
+  void synchronizeStream(const c10::Stream& stream) const override {
+    checker::stream_synchronized(stream);
+  }
+  void synchronizeEvent(void* event) const override {
+    if (event != nullptr) {
+      checker::event_synchronized(event);
+    }
+  }
+  void synchronizeDevice(const c10::DeviceIndex device) const override {
+    checker::device_synchronized(device < 0 ? current_device : device);
+  }
+  void recordDataPtrOnStream(const c10::DataPtr& data, const c10::Stream& stream) const override {
+    checker::record_stream(data.get(), stream);
+  }
 
   double elapsedTime(void* start, void* end, const c10::DeviceIndex) const override {
     TORCH_CHECK(start != nullptr && end != nullptr,
@@ -458,6 +495,79 @@ struct Registration {
 };
 const Registration registration;
 
+// --- what a kernel reads and writes, for the stream checker -----------------------------------
+
+// The storage a device tensor's data lives in, as the checker names it (its allocation's
+// base), or nullptr for a tensor elsewhere or without bytes.
+const void* storage_base(const at::Tensor& tensor) {
+  if (!tensor.defined() || tensor.device().type() != kDeviceType || !tensor.has_storage()) {
+    return nullptr;
+  }
+  return tensor.storage().data_ptr().get();
+}
+
+bool holds_device_tensor(const c10::IValue& value) {
+  if (value.isTensor()) {
+    return value.toTensor().defined() && value.toTensor().device().type() == kDeviceType;
+  }
+  if (value.isList()) {
+    const auto list = value.toListRef();
+    return std::any_of(list.begin(), list.end(), holds_device_tensor);
+  }
+  return false;
+}
+
+struct KernelAccesses {
+  std::vector<const void*> reads;
+  std::vector<const void*> writes;
+  std::optional<c10::DeviceIndex> device;
+
+  void add(const at::Tensor& tensor, bool write) {
+    const void* base = storage_base(tensor);
+    if (base == nullptr) {
+      return;
+    }
+    (write ? writes : reads).push_back(base);
+    if (!device) {
+      device = tensor.device().index();
+    }
+  }
+
+  void add(const c10::IValue& value, bool write) {
+    if (value.isTensor()) {
+      add(value.toTensor(), write);
+    } else if (value.isList()) {
+      for (const auto& element : value.toListRef()) {
+        add(element, write);
+      }
+    }
+  }
+
+  // One kernel on the current stream of the tensors' device.
+  void record(const std::string& op) const {
+    if (device) {
+      checker::kernel(op, current_stream(*device), reads, writes);
+    }
+  }
+};
+
+// A copy between host and device that is not non_blocking returns when the data has arrived,
+// as CUDA's does: the host has then synchronised with the stream.
+void record_copy(const at::Tensor& source, const at::Tensor& target, bool non_blocking) {
+  if (!checker::enabled()) {
+    return;
+  }
+  KernelAccesses accesses;
+  accesses.add(source, false);
+  accesses.add(target, true);
+  accesses.record("aten::copy_");
+  const bool with_host =
+      source.device().type() != kDeviceType || target.device().type() != kDeviceType;
+  if (accesses.device && with_host && !non_blocking) {
+    checker::stream_synchronized(current_stream(*accesses.device));
+  }
+}
+
 // --- native kernels ---------------------------------------------------------------------------
 
 constexpr c10::DispatchKeySet kKeys{c10::DispatchKey::PrivateUse1};
@@ -491,10 +601,11 @@ at::Tensor host_view(const at::Tensor& tensor) {
                        tensor.options().device(c10::DeviceType::CPU));
 }
 
-at::Tensor copy_from(const at::Tensor& self, const at::Tensor& dst, bool) {
+at::Tensor copy_from(const at::Tensor& self, const at::Tensor& dst, bool non_blocking) {
   if (dst.numel() == 0) {
     return dst;
   }
+  record_copy(self, dst, non_blocking);
   host_view(dst).copy_(host_view(self));
   return dst;
 }
@@ -581,13 +692,24 @@ at::Tensor convolution_overrideable(const at::Tensor& input, const at::Tensor& w
                                     c10::IntArrayRef stride, c10::IntArrayRef padding,
                                     c10::IntArrayRef dilation, bool transposed,
                                     c10::IntArrayRef output_padding, int64_t groups) {
-  std::optional<at::Tensor> host_bias;
-  if (bias.has_value() && bias->defined()) {
-    host_bias = bias->cpu();
+  KernelAccesses accesses;
+  accesses.add(input, false);
+  accesses.add(weight, false);
+  at::Tensor result;
+  {
+    checker::Pause pause;  // the copies are this kernel's own work
+    std::optional<at::Tensor> host_bias;
+    if (bias.has_value() && bias->defined()) {
+      accesses.add(*bias, false);
+      host_bias = bias->cpu();
+    }
+    result = at::convolution(input.cpu(), weight.cpu(), host_bias, stride, padding, dilation,
+                             transposed, output_padding, groups)
+                 .to(input.device());
   }
-  return at::convolution(input.cpu(), weight.cpu(), host_bias, stride, padding, dilation,
-                         transposed, output_padding, groups)
-      .to(input.device());
+  accesses.add(result, true);
+  accesses.record("aten::convolution_overrideable");
+  return result;
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> convolution_backward_overrideable(
@@ -597,20 +719,93 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> convolution_backward_overrideable
     std::array<bool, 3> output_mask) {
   const int64_t out_channels = transposed ? weight.size(1) * groups : weight.size(0);
   const std::vector<int64_t> bias_sizes{out_channels};
-  auto [grad_input, grad_weight, grad_bias] = at::convolution_backward(
-      grad_output.cpu(), input.cpu(), weight.cpu(), bias_sizes, stride, padding, dilation,
-      transposed, output_padding, groups, output_mask);
-  const auto back = [&](const at::Tensor& host) {
-    return host.defined() ? host.to(input.device()) : host;
-  };
-  return {back(grad_input), back(grad_weight), back(grad_bias)};
+  KernelAccesses accesses;
+  for (const auto* read : {&grad_output, &input, &weight}) {
+    accesses.add(*read, false);
+  }
+  std::tuple<at::Tensor, at::Tensor, at::Tensor> grads;
+  {
+    checker::Pause pause;
+    auto [grad_input, grad_weight, grad_bias] = at::convolution_backward(
+        grad_output.cpu(), input.cpu(), weight.cpu(), bias_sizes, stride, padding, dilation,
+        transposed, output_padding, groups, output_mask);
+    const auto back = [&](const at::Tensor& host) {
+      return host.defined() ? host.to(input.device()) : host;
+    };
+    grads = {back(grad_input), back(grad_weight), back(grad_bias)};
+  }
+  for (const auto* written : {&std::get<0>(grads), &std::get<1>(grads), &std::get<2>(grads)}) {
+    accesses.add(*written, true);
+  }
+  accesses.record("aten::convolution_backward_overrideable");
+  return grads;
 }
 
 void cpu_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
-  at::native::cpu_fallback(op, stack, /*error_on_views=*/true);
+  if (!checker::enabled()) {
+    at::native::cpu_fallback(op, stack, /*error_on_views=*/true);
+    return;
+  }
+  // What the kernel reads and writes, from its schema: an argument marked (a!) is written.
+  const auto& schema = op.schema();
+  KernelAccesses accesses;
+  const auto& arguments = schema.arguments();
+  const auto inputs = torch::jit::last(*stack, arguments.size());
+  for (size_t i = 0; i < arguments.size(); ++i) {
+    const auto* alias = arguments[i].alias_info();
+    accesses.add(inputs[i], alias != nullptr && alias->isWrite());
+  }
+  {
+    checker::Pause pause;  // its copies to and from the CPU are this one kernel's work
+    at::native::cpu_fallback(op, stack, /*error_on_views=*/true);
+  }
+  const auto outputs = torch::jit::last(*stack, schema.returns().size());
+  bool device_output = false;
+  for (const auto& output : outputs) {
+    accesses.add(output, true);
+    device_output = device_output || holds_device_tensor(output);
+  }
+  std::string name = schema.name();
+  if (!schema.overload_name().empty()) {
+    name += "." + schema.overload_name();
+  }
+  accesses.record(name);
+  // A result that comes back to the host (.item(), a bool) waited for the stream, as on CUDA.
+  if (accesses.device && !outputs.empty() && !device_output) {
+    checker::stream_synchronized(current_stream(*accesses.device));
+  }
+}
+
+void record_stream(at::Tensor& self, c10::Stream stream) {
+  checker::record_stream(storage_base(self), stream);
 }
 
 int64_t device_count() { return visible_device_count(); }
+
+bool stream_check(bool on) { return checker::set_enabled(on); }
+
+std::vector<std::string> take_stream_findings() { return checker::take_findings(); }
+
+void pause_stream_check(bool pause) {
+  if (pause) {
+    checker::Pause::push();
+  } else {
+    checker::Pause::pop();
+  }
+}
+
+// A kernel the caller does itself (a backend's collective), on the current stream.
+void record_kernel(const std::string& op, const std::vector<at::Tensor>& reads,
+                   const std::vector<at::Tensor>& writes) {
+  KernelAccesses accesses;
+  for (const auto& tensor : reads) {
+    accesses.add(tensor, false);
+  }
+  for (const auto& tensor : writes) {
+    accesses.add(tensor, true);
+  }
+  accesses.record(op);
+}
 
 at::Tensor take_event_waits() {
   std::vector<EventWait> taken;
@@ -652,6 +847,7 @@ TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
   m.impl("convolution_overrideable", TORCH_FN(fakeaccel::convolution_overrideable));
   m.impl("convolution_backward_overrideable",
          TORCH_FN(fakeaccel::convolution_backward_overrideable));
+  m.impl("record_stream", TORCH_FN(fakeaccel::record_stream));
 }
 
 TORCH_LIBRARY_IMPL(_, PrivateUse1, m) {
@@ -662,4 +858,11 @@ TORCH_LIBRARY(fakeaccel, m) {
   m.def("device_count() -> int", &fakeaccel::device_count);
   // Each row: device, stream id, event (its id, as torch.Event.event_id), times recorded.
   m.def("take_event_waits() -> Tensor", &fakeaccel::take_event_waits);
+  // The stream checker (stream_checker.h): on or off (from a clean state either way; returns
+  // whether it was on), its findings as JSON documents, a pause of this thread's recording
+  // (True pauses, False resumes), and a kernel recorded by hand.
+  m.def("stream_check(bool on) -> bool", &fakeaccel::stream_check);
+  m.def("take_stream_findings() -> str[]", &fakeaccel::take_stream_findings);
+  m.def("pause_stream_check(bool pause) -> ()", &fakeaccel::pause_stream_check);
+  m.def("record_kernel(str op, Tensor[] reads, Tensor[] writes) -> ()", &fakeaccel::record_kernel);
 }

@@ -9,11 +9,14 @@ otherwise through torch's device-generic ``torch.Stream``, ``torch.Event`` and
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import torch
+
+from harness.devices import current_stream_set
 
 DEVICE_TYPE = "fakeaccel"
 
@@ -82,12 +85,8 @@ def stream(chosen: torch.Stream | None) -> Iterator[None]:
     if chosen is None:
         yield
         return
-    previous = torch.accelerator.current_stream(chosen.device)
-    torch.accelerator.set_stream(chosen)
-    try:
+    with current_stream_set(chosen):
         yield
-    finally:
-        torch.accelerator.set_stream(previous)
 
 
 def get_amp_supported_dtype() -> list[torch.dtype]:
@@ -118,3 +117,38 @@ def take_event_waits() -> list[tuple[int, int, int, int]]:
     """Every wait of a stream on an event since the last call: (device, stream id, event id
     as ``torch.Event.event_id``, how many times the event had been recorded)."""
     return [tuple(row) for row in torch.ops.fakeaccel.take_event_waits().tolist()]
+
+
+# --- the stream checker (fakeaccel.cpp, stream_checker.h) ---------------------------------------
+
+
+def stream_check(on: bool) -> bool:
+    """Turn the stream-safety checker on or off, from a clean state either way; returns
+    whether it was on. While on, every kernel, stream and event operation, allocation and
+    free on the device is checked for accesses a real device would leave unordered."""
+    return bool(torch.ops.fakeaccel.stream_check(on))
+
+
+def take_stream_findings() -> list[dict[str, Any]]:
+    """The checker's findings since the last call, each a dict: ``kind`` (read,
+    write-after-read, write-after-write, free), ``bytes``, ``repeats`` (same ops and streams,
+    folded in), ``access`` and ``earlier`` (``op``, ``device``, ``stream``, ``stack`` as
+    ``[file, line, function]`` outermost first) and ``allocated_on`` (``device``, ``stream``)."""
+    return [json.loads(text) for text in torch.ops.fakeaccel.take_stream_findings()]
+
+
+def record_kernel(op: str, reads: list[torch.Tensor], writes: list[torch.Tensor]) -> None:
+    """Tell the checker that a kernel named ``op`` runs now on the current stream, reading
+    ``reads`` and writing ``writes`` (work done outside the device's kernels: a collective)."""
+    torch.ops.fakeaccel.record_kernel(op, reads, writes)
+
+
+@contextmanager
+def stream_check_paused() -> Iterator[None]:
+    """Inside the block this thread's kernels are not checked: the work of a kernel that is
+    recorded by itself (a backend's copies to and from the host)."""
+    torch.ops.fakeaccel.pause_stream_check(True)
+    try:
+        yield
+    finally:
+        torch.ops.fakeaccel.pause_stream_check(False)
