@@ -558,9 +558,23 @@ def environment_of(
         "backend_plugins": plugins,
         "expectations": ", ".join(str(path) for path in expectations.sources) or None,
         "command": [sys.executable, "-m", "pytest", *config.invocation_params.args],
+        "stream_check": stream_check_state(settings),
         # Set by the plugin to the JUnit file it writes beside the report (--conformance-out).
         "junit_xml": None,
     }
+
+
+def stream_check_state(settings: Any) -> str | None:
+    """``on``, ``off`` (--no-dist-stream-check) or ``unavailable`` (the device has no stream
+    checker); None without distributed settings."""
+    if settings is None:
+        return None
+    # Imported at the end of the run only, as torch is: the device module answers.
+    from harness.devices import stream_checker
+
+    if stream_checker(settings.device_type) is None:
+        return "unavailable"
+    return "on" if settings.stream_check else "off"
 
 
 def describe_implementation(spec: str | None) -> dict[str, Any]:

@@ -11,6 +11,7 @@ from collections import Counter
 
 from conformance.report import ConformanceReport
 from conformance.statuses import STATUSES, conformance_percent, percent_text
+from harness.shared.outcomes import STREAM_SAFETY_HEADLINE
 from suites.cases import BACKEND, IMPLEMENTATION
 
 
@@ -112,6 +113,7 @@ def headline_lines(report: ConformanceReport, *, markdown: bool = False) -> list
     # Markdown needs blank lines between paragraphs and before a list.
     gap = [""] if markdown else []
     bullet = "- " if markdown else "  "
+    stream_safety = stream_safety_line(report)
     return [
         *verdict_lines(report, markdown=markdown),
         "",
@@ -119,7 +121,28 @@ def headline_lines(report: ConformanceReport, *, markdown: bool = False) -> list
         "the applied ones):",
         *gap,
         *(f"{bullet}{result.line(markdown=markdown)}" for result in results),
+        *([f"{bullet}{stream_safety}"] if stream_safety else []),
     ]
+
+
+def stream_safety_line(report: ConformanceReport) -> str | None:
+    """Whether the run checked stream safety, and how many tests failed on it."""
+    state = report.environment.get("stream_check")
+    device = report.environment.get("device")
+    if state is None:
+        return None
+    if state == "unavailable":
+        return (
+            f"stream safety: not checked ({device} has no stream checker; --device fakeaccel "
+            f"checks every kernel, wait and free)"
+        )
+    if state == "off":
+        return "stream safety: not checked (--no-dist-stream-check)"
+    failed = [r for r in report.tests if r.status == "FAIL" and STREAM_SAFETY_HEADLINE in r.message]
+    return (
+        f"stream safety: checked on {device} in every distributed test; {len(failed)} failed "
+        f"on accesses no synchronisation orders"
+    )
 
 
 def notable_lines(report: ConformanceReport) -> list[str]:

@@ -26,6 +26,7 @@ import torch
 
 from harness.devices import StreamChecker, stream_checker
 from harness.shared.memory_sizes import format_size
+from harness.shared.outcomes import STREAM_SAFETY_HEADLINE
 
 #: Innermost frames of each stack a report shows.
 STACK_FRAMES_SHOWN = 14
@@ -102,7 +103,7 @@ def describe(findings: list[dict[str, Any]], rank: int, device_type: str) -> str
     """Every finding: what was unordered with what, then both stacks."""
     total = sum(1 + finding["repeats"] for finding in findings)
     lines = [
-        f"rank {rank}: {total} access(es) to device memory that no synchronisation orders "
+        f"rank {rank}: {total} {STREAM_SAFETY_HEADLINE} "
         f"(stream checker; --no-dist-stream-check turns it off)"
     ]
     for number, finding in enumerate(findings, 1):

@@ -12,6 +12,10 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
+#: What a stream-safety failure's message says (harness/rank/stream_safety.py): reports
+#: count these failures by it without loading the checker.
+STREAM_SAFETY_HEADLINE = "access(es) to device memory that no synchronisation orders"
+
 
 class Outcome(enum.StrEnum):
     PASSED = "passed"

@@ -21,6 +21,7 @@ from conformance.report import (
     profiles_from_hook,
     profiles_of_test,
 )
+from harness.shared.outcomes import STREAM_SAFETY_HEADLINE
 from impl.api import KNOWN_CAPABILITIES
 from suites.cases import IMPLEMENTATION, SUBJECT_PROPERTY, load_profiles, parse_profiles
 from tests.conformance.report_checks import check_markdown
@@ -263,6 +264,33 @@ def test_extensions_get_their_own_line_with_grouped_unsupported_cases():
         {"needs": ["hsdp"], "cases": 3, "tests": ["a::hsdp0", "a::hsdp1", "a::hsdp2"]},
         {"needs": ["cpu_offload", "hsdp"], "cases": 1, "tests": ["a::both"]},
     ]
+
+
+@pytest.mark.parametrize(
+    ("state", "device", "line"),
+    [
+        ("on", "fakeaccel", "stream safety: checked on fakeaccel in every distributed test; "
+         "1 failed on accesses no synchronisation orders"),
+        ("off", "fakeaccel", "stream safety: not checked (--no-dist-stream-check)"),
+        ("unavailable", "cpu", "stream safety: not checked (cpu has no stream checker; "
+         "--device fakeaccel checks every kernel, wait and free)"),
+    ],
+)  # fmt: skip
+def test_the_profiles_say_whether_stream_safety_was_checked(state, device, line):
+    unordered = f"StreamSafetyError: rank 1: 3 {STREAM_SAFETY_HEADLINE} (stream checker)"
+    built = build(
+        case_report("a::core", "passed", ""),
+        case_report("a::racy", "failed", "", unordered),
+        case_report("a::wrong", "failed", "", "AssertionError: gradient of w differs"),
+    )
+    built.environment = {**built.environment, "stream_check": state, "device": device}
+    assert text.headline_lines(built)[-1] == f"  {line}"
+    assert f"- {line}" in markdown.render(built)
+
+
+def test_without_distributed_settings_there_is_no_stream_safety_line():
+    built = build(case_report("a::core", "passed", ""))
+    assert not any("stream safety" in line for line in text.headline_lines(built))
 
 
 def test_an_extension_with_no_cases_in_the_run_has_no_line():
