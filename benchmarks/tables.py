@@ -12,9 +12,9 @@ marker::
 ``python benchmarks/tables.py`` rewrites every marked table from its file, with the
 formatter of the benchmark that wrote it (``harness_overhead.format_table``,
 ``impl_step.format_tables``, ``adopt_torch_files.format_summary``,
-``mutation_report.format_table``, the GPU check's own Markdown); ``--check`` exits 1 while a page
-differs from what its files give (``tests/test_docs.py`` runs it), so no table can drift
-from its measurements by hand.
+``mutation_report.format_table``, ``stream_check_cost.format_table``, the GPU check's own
+Markdown); ``--check`` exits 1 while a page differs from what its files give
+(``tests/test_docs.py`` runs it), so no table can drift from its measurements by hand.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ import adopt_torch_files  # noqa: E402  (scripts beside this one, not a package)
 import harness_overhead  # noqa: E402
 import impl_step  # noqa: E402
 import mutation_report  # noqa: E402
+import stream_check_cost  # noqa: E402
 
 from harness.gpu_check.report import as_markdown  # noqa: E402
 
@@ -76,6 +77,7 @@ FORMATTERS: dict[str, Callable[[Any], str]] = {
     "impl_step": impl_step_tables,
     "gpu-check": gpu_check_table,
     "mutation": mutation_table,
+    "stream_check_cost": stream_check_cost.format_table,
 }
 
 

@@ -38,6 +38,8 @@ PACKAGE_DATA = (
     "suites/backend/declarations/gloo.toml",
     "suites/backend/expectations/gloo.toml",
     "harness/devices/fakeaccel/fakeaccel.cpp",
+    "harness/devices/fakeaccel/stream_checker.cpp",
+    "harness/devices/fakeaccel/stream_checker.h",
 )
 
 VENDOR_PYPROJECT = """\
