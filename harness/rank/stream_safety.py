@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import sysconfig
 import threading
+import unittest
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -58,6 +59,9 @@ def stream_safety(enabled: bool, device: torch.device, rank: int) -> Iterator[No
     _start(checker)
     try:
         yield
+    except unittest.SkipTest:
+        _finish(checker, device)  # a skip is a skip on every rank, findings or not
+        raise
     except Exception as failure:
         findings = _finish(checker, device)
         if not findings:

@@ -10,6 +10,7 @@ found here is found from the order the program asked for, every time.
 
 from __future__ import annotations
 
+import unittest
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -17,7 +18,7 @@ import pytest
 import torch
 
 from harness.devices import current_stream_set, fakeaccel, stream_checker
-from harness.rank.stream_safety import describe
+from harness.rank.stream_safety import StreamSafetyError, describe, stream_safety
 
 DEVICE = torch.device("fakeaccel", 0)
 module = fakeaccel.module
@@ -274,3 +275,43 @@ def test_repeats_of_one_race_are_folded_into_one_finding(checked, side):
         data.sum()
     (finding,) = [f for f in checked() if f["kind"] == "read"]
     assert finding["repeats"] == 4
+
+
+# --- the verdict on a test body (harness/rank/stream_safety.py) ----------------------------------
+
+
+def racy_body(side: torch.Stream) -> None:
+    data = filled(side, 64)
+    write_on(side, data)
+    data.sum()
+
+
+def test_a_racy_body_fails_with_the_findings_and_a_clean_one_passes(side):
+    expected = pytest.raises(StreamSafetyError, match=r"rank 2: 1 access\(es\)")
+    with expected as raised, stream_safety(True, DEVICE, rank=2):
+        racy_body(side)
+    assert [finding["kind"] for finding in raised.value.findings] == ["read"]
+    with stream_safety(True, DEVICE, rank=2):
+        data = filled(side, 64)
+        write_on(side, data)
+        current().wait_stream(side)
+        data.sum()
+    with stream_safety(False, DEVICE, rank=2):
+        racy_body(side)  # not checked
+
+
+def test_the_findings_come_before_the_bodys_own_failure(side):
+    with pytest.raises(StreamSafetyError) as raised, stream_safety(True, DEVICE, rank=0):
+        racy_body(side)
+        raise ValueError("the loss differs")
+    assert "the test body also failed: ValueError: the loss differs" in str(raised.value)
+    assert isinstance(raised.value.__cause__, ValueError)
+
+
+def test_a_skip_stays_a_skip_and_a_clean_failure_stays_itself(side):
+    with pytest.raises(unittest.SkipTest), stream_safety(True, DEVICE, rank=0):
+        racy_body(side)
+        raise unittest.SkipTest("not on this device")
+    with pytest.raises(ValueError, match="plain"), stream_safety(True, DEVICE, rank=0):
+        raise ValueError("plain")
+    assert module.take_stream_findings() == []  # the checker was left off and clean
