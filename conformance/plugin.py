@@ -27,6 +27,7 @@ import suites
 from conformance import hookspecs
 from conformance import report as conformance_report
 from conformance.expectations import Entry, Expectations, ExpectationsError, combine, load
+from conformance.out_lock import OutputLock
 from conformance.progress import RunTracker
 from conformance.renderers import FILE_FORMATS, junit, terminal
 from conformance.renderers.format import write_files
@@ -271,6 +272,8 @@ class ConformancePlugin:
         if not named:  # a vendor's own file stands alone; the bundled ones add the release's
             loaded = combine(loaded, release_expectations())
         self.expectations = loaded.on_device(config.getoption("device") or "cpu")
+        # A pytest-xdist worker: the controller sees every report, tracks and writes.
+        self.is_worker = hasattr(config, "workerinput")
         # Under torchrun or srun every rank runs the session; rank 0 writes the report.
         rank_0 = prints_the_report(config)
         out = config.getoption("conformance_out") if rank_0 else None
@@ -289,8 +292,19 @@ class ConformancePlugin:
         self.profiles: list[Profile] = []
         self.report: conformance_report.ConformanceReport | None = None
         self.tracker = RunTracker(config.getoption("conformance_progress"))
-        # A pytest-xdist worker: the controller sees every report, tracks and writes.
-        self.is_worker = hasattr(config, "workerinput")
+        # Last: a run refused by anything above never creates or locks the directory.
+        self.out_lock: OutputLock | None = None
+        self.discard_report = False
+        if self.out_dir is not None and not self.is_worker:
+            self.out_lock = OutputLock(self.out_dir, "--conformance-out")
+            self.out_lock.acquire()
+
+    def pytest_report_header(self, config: pytest.Config) -> str | None:
+        return None if self.out_lock is None else self.out_lock.note
+
+    def pytest_unconfigure(self, config: pytest.Config) -> None:
+        if self.out_lock is not None:
+            self.out_lock.release(discard=self.discard_report)
 
     def pytest_configure(self, config: pytest.Config) -> None:
         if self.reporting:
@@ -419,6 +433,7 @@ class ConformancePlugin:
             self._write(self.report)
         if exitstatus == pytest.ExitCode.USAGE_ERROR and not self.report.tests:
             self.report = None  # the usage error is the message; an empty table is noise
+            self.discard_report = True  # and a refused run leaves no report behind
 
     def _cut_short(self) -> int:
         return len(self.recorder.in_progress)

@@ -30,7 +30,6 @@ import os
 import platform
 import re
 import sys
-import tempfile
 from collections import Counter, defaultdict
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import asdict, dataclass, field
@@ -514,20 +513,26 @@ class ConformanceReport:
 
 
 def writable_directory(path: Path, option: str) -> Path:
-    """Create ``path`` and prove a file can be written there, before the run, not after."""
+    """Prove the report can be written at ``path`` before the run, without creating it (a
+    refused run leaves nothing behind): a directory, or a path whose nearest existing folder
+    this process may write into."""
     if path.exists() and not path.is_dir():
         raise pytest.UsageError(
             f"{option} {path} is a file, not a directory: name a directory for the report"
         )
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=path, prefix=".write-check-"):
-            pass
-    except OSError as exc:
+    existing = path.absolute()
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
         raise pytest.UsageError(
-            f"{option} {path}: cannot write the report there ({exc.strerror or exc}); "
+            f"{option} {path}: {existing} is a file, not a directory: name a directory for "
+            f"the report"
+        )
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise pytest.UsageError(
+            f"{option} {path}: cannot write the report there ({existing} is not writable); "
             f"name a directory you can write to"
-        ) from None
+        )
     return path
 
 

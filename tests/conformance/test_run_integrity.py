@@ -117,6 +117,7 @@ def test_a_bad_command_line_is_one_line_before_any_test(pytester, options, messa
     assert message in output
     assert "Traceback" not in output and "must not run" not in output
     assert "report written" not in output
+    assert not (pytester.path / "out").exists(), "a refused run leaves no report directory"
 
 
 def test_the_cli_refuses_an_unwritable_out_in_its_own_words(tmp_path, capsys):
