@@ -3,7 +3,8 @@
 Registered through the ``pytest11`` entry point ``distconform``. It registers the harness's other
 plugin modules (:data:`PLUGIN_MODULES`), each of which registers its own options:
 :mod:`harness.controller.run_options` (the run's settings), :mod:`harness.controller.deadline`
-(``--dist-deadline``) and :mod:`harness.controller.summary_table` (``--dist-summary``). Its
+(``--dist-deadline``), :mod:`harness.controller.deadline_history` (deadlines from recorded
+durations) and :mod:`harness.controller.summary_table` (``--dist-summary``). Its
 own option is ``--backend-plugin``, which it activates first at configure time; it then
 builds the run's settings and registers :mod:`harness.controller.item_runner`, whose hooks
 run a marked test on its ranks. The session's state lives in
@@ -16,7 +17,14 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from harness.controller import deadline, hookspecs, item_runner, run_options, summary_table
+from harness.controller import (
+    deadline,
+    deadline_history,
+    hookspecs,
+    item_runner,
+    run_options,
+    summary_table,
+)
 from harness.controller.config import ConfigError, device_placement_line
 from harness.controller.external.rank import ExternalRank
 from harness.controller.external.report_diversion import divert_unless_rank_0
@@ -39,7 +47,7 @@ if TYPE_CHECKING:
     from harness.controller.external.world import ExternalWorld
 
 #: The harness's plugin modules registered with this one; each registers its own options.
-PLUGIN_MODULES = (run_options, deadline, summary_table)
+PLUGIN_MODULES = (run_options, deadline, deadline_history, summary_table)
 
 # Here, before the conformance plugin (loaded after this one) imports impl and suites: a
 # vendor's package of the same name earlier on sys.path would fail there with an import

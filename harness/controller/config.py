@@ -157,6 +157,9 @@ class DistSettings:
     memory_limit: int | None = None
     device_audit: bool = False
     stream_check: bool = True
+    #: Whether --dist-deadline or ini dist_deadline named ``deadline`` (else the default,
+    #: which a test's recorded durations may replace: harness/controller/deadline_history.py).
+    deadline_named: bool = False
     share_devices: bool = False
     #: pytest's warning filters (ini ``filterwarnings``, then ``-W``), each with whether its
     #: text is literal: shipped to ranks that keep a warnings state of their own.

@@ -20,6 +20,7 @@ import pytest
 from harness._pytest_private import skip_at_the_items_location
 from harness.controller import summary_table
 from harness.controller.config import ConfigError, DistSettings
+from harness.controller.deadline_history import history_of
 from harness.controller.dispatch import build_task, pool_manager
 from harness.controller.failure_report import DistributedFailure
 from harness.controller.item_settings import (
@@ -227,6 +228,7 @@ def run_item_body(
             must_end_by=settings.outer_limit,
         )
     item.stash[RUN_KEY] = run
+    history_of(item.config).record(item.nodeid, run)
     for result in run.results:
         if result.output:
             item.add_report_section("call", f"output rank {result.rank}", result.output)
@@ -262,7 +264,10 @@ def _conclude(item: pytest.Item, settings: ItemSettings, run: RunResult) -> None
             pytest.xfail(_joined_reasons(run, Outcome.XFAILED))
         return
     item.user_properties.append((REPRODUCE_PROPERTY, settings.reproduce))
-    raise DistributedFailure(run, context=settings.failure_context, reproducer=settings.reproduce)
+    context = settings.failure_context
+    if run.hung:
+        context += f"; deadline {settings.deadline:g} s: {settings.deadline_reason}"
+    raise DistributedFailure(run, context=context, reproducer=settings.reproduce)
 
 
 def _joined_reasons(run: RunResult, outcome: Outcome) -> str:

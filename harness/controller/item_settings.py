@@ -18,6 +18,7 @@ import pytest
 from harness._pytest_private import AssertionSettings
 from harness.controller.config import ConfigError, DistSettings, device_count, sharing_refusal
 from harness.controller.deadline import OuterLimit, deadline_for, outer_limit_for
+from harness.controller.deadline_history import history_of
 from harness.controller.dispatch import pool_key
 from harness.controller.launcher_registry import Launcher, launcher_named
 from harness.controller.markers import memory_limit_of, required_devices_of
@@ -57,6 +58,8 @@ class ItemSettings:
     #: The session's settings, with the item's own launcher and backend.
     run: DistSettings
     deadline: float
+    #: Why ``deadline`` is what it is (a hang's report says it).
+    deadline_reason: str
     outer_limit: OuterLimit | None
     memory_limit: int | None
     device_audit: bool
@@ -101,6 +104,7 @@ def _resolve(item: pytest.Item) -> ItemSettings | None:
             run, launcher=choice.launcher or run.launcher, backend=choice.backend or run.backend
         )
     launcher = launcher_named(run.launcher)
+    deadline, deadline_reason = _deadline(item, run)
     memory_limit = _memory_limit(item, run)
     device_audit = _enabled_by_marker(item, "device_audit", run.device_audit)
     stream_check = _enabled_by_marker(item, "stream_check", run.stream_check)
@@ -109,7 +113,8 @@ def _resolve(item: pytest.Item) -> ItemSettings | None:
     return ItemSettings(
         world_size=world_size,
         run=run,
-        deadline=deadline_for(item, run.deadline),
+        deadline=deadline,
+        deadline_reason=deadline_reason,
         outer_limit=outer_limit_for(item, item.stash.get(STARTED_KEY, time.monotonic())),
         memory_limit=memory_limit,
         device_audit=device_audit,
@@ -141,6 +146,16 @@ def _resolve(item: pytest.Item) -> ItemSettings | None:
         reproduce=reproduce,
         skip_reason=skip_reason,
     )
+
+
+def _deadline(item: pytest.Item, run: DistSettings) -> tuple[float, str]:
+    """The test's marker, else a deadline named for the run, else its recorded durations',
+    else the default; and which of them it is."""
+    if item.get_closest_marker("deadline") is not None:
+        return deadline_for(item, run.deadline), "its deadline marker"
+    if run.deadline_named:
+        return run.deadline, "named for the run (--dist-deadline or ini dist_deadline)"
+    return history_of(item.config).deadline(item.nodeid, run.deadline)
 
 
 def _memory_limit(item: pytest.Item, run: DistSettings) -> int | None:

@@ -146,6 +146,8 @@ def settings_from(config: pytest.Config) -> DistSettings:
         device_type=device_type,
         seed=config.getoption("dist_seed"),
         deadline=configured_deadline(config),
+        deadline_named=config.getoption("dist_deadline") is not None
+        or bool(config.getini("dist_deadline")),
         threads_per_rank=threads,
         world_sizes=parse_world_sizes(config.getoption("world_sizes")),
         fresh_pool=config.getoption("dist_fresh_pool"),
