@@ -60,45 +60,47 @@ def launch(
             f"launch() starts its own ranks, and the {launcher!r} launcher starts none; with "
             f"torchrun, run pytest in every rank with --launcher {launcher} instead"
         )
-    backend_plugins.activate((), backend, device)  # a bundled device or backend registers itself
-    device_type = check_device_type(device)
-    backend = chosen.backend_for(backend, device_type)
-    available = device_count(device_type)
-    if share_devices and available:
-        refusal = sharing_refusal(backend, device_type, world_size, available)
-        if refusal is not None:
-            raise ConfigError(refusal)
-    elif available is not None and available < world_size:
-        raise ConfigError(
-            f"{world_size} ranks need {world_size} {device_type} devices, this machine has "
-            f"{available}; each rank owns one device (or share them: share_devices=True)"
+    # A bundled device or backend registers itself, published to these ranks only: the
+    # caller's later children (other sessions, other pools) must not load it.
+    with backend_plugins.published((), backend, device):
+        device_type = check_device_type(device)
+        backend = chosen.backend_for(backend, device_type)
+        available = device_count(device_type)
+        if share_devices and available:
+            refusal = sharing_refusal(backend, device_type, world_size, available)
+            if refusal is not None:
+                raise ConfigError(refusal)
+        elif available is not None and available < world_size:
+            raise ConfigError(
+                f"{world_size} ranks need {world_size} {device_type} devices, this machine has "
+                f"{available}; each rank owns one device (or share them: share_devices=True)"
+            )
+        if deadline <= 0:
+            raise ConfigError(f"deadline must be positive, got {deadline}")
+        task = build_task(
+            fn,
+            args,
+            kwargs,
+            test_id=getattr(fn, "__qualname__", repr(fn)),
+            seed=seed,
+            deadline=deadline,
+            device_audit=device_audit,
+            stream_check=stream_check,
         )
-    if deadline <= 0:
-        raise ConfigError(f"deadline must be positive, got {deadline}")
-    task = build_task(
-        fn,
-        args,
-        kwargs,
-        test_id=getattr(fn, "__qualname__", repr(fn)),
-        seed=seed,
-        deadline=deadline,
-        device_audit=device_audit,
-        stream_check=stream_check,
-    )
-    key = pool_key(
-        launcher=launcher,
-        world_size=world_size,
-        backend=backend,
-        device_type=device_type,
-        threads_per_rank=threads_per_rank or default_threads_per_rank(world_size),
-        rendezvous=rendezvous,
-        share_devices=share_devices,
-    )
-    pools = pool_manager(echo)
-    try:
-        return pools.run(key, task, deadline=deadline, peer_grace=peer_grace)
-    finally:
-        pools.shutdown()
+        key = pool_key(
+            launcher=launcher,
+            world_size=world_size,
+            backend=backend,
+            device_type=device_type,
+            threads_per_rank=threads_per_rank or default_threads_per_rank(world_size),
+            rendezvous=rendezvous,
+            share_devices=share_devices,
+        )
+        pools = pool_manager(echo)
+        try:
+            return pools.run(key, task, deadline=deadline, peer_grace=peer_grace)
+        finally:
+            pools.shutdown()
 
 
 def run_on_ranks(

@@ -18,7 +18,8 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 
 ENV_VAR = "DISTCONFORM_BACKEND_PLUGINS"
 
@@ -78,6 +79,21 @@ def activate(
     if names:
         os.environ[ENV_VAR] = ",".join(names)
     return names
+
+
+@contextmanager
+def published(
+    modules: Iterable[str], backend: str | None = None, device: str | None = None
+) -> Iterator[list[str]]:
+    """:func:`activate` for the block only: the environment's list is put back after it."""
+    previous = os.environ.get(ENV_VAR)
+    try:
+        yield activate(modules, backend, device)
+    finally:
+        if previous is None:
+            os.environ.pop(ENV_VAR, None)
+        else:
+            os.environ[ENV_VAR] = previous
 
 
 def import_from_environment() -> list[str]:

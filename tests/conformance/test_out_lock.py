@@ -100,7 +100,14 @@ def test_two_runs_into_one_directory_one_is_refused(pytester):
 def test_sigint_while_the_lock_is_held_releases_it(pytester):
     pytester.makepyfile(test_slow=SLOW_TEST)
     command = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--conformance-out", "out"]
-    run = subprocess.Popen(command, cwd=pytester.path, stdout=subprocess.PIPE, text=True)
+    run = subprocess.Popen(
+        command,
+        cwd=pytester.path,
+        stdout=subprocess.PIPE,
+        text=True,
+        # A run started in the background inherits SIGINT ignored; Ctrl-C is what is tested.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     try:
         wait_for(pytester.path / "started")
         assert (pytester.path / "out" / LOCK_NAME).exists()
@@ -129,8 +136,8 @@ def test_xdist_workers_leave_the_lock_to_the_controller(pytester):
 
 def test_a_run_refused_on_its_command_line_creates_no_directory(pytester):
     pytester.makepyfile(test_one="def test_one():\n    pass\n")
-    result = pytester.runpytest("-p", "no:cacheprovider", "--conformance-out", "out/deeper",
-                                "--impl", "nonexistent")  # fmt: skip
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--conformance-out",
+                                           "out/deeper", "--impl", "nonexistent")  # fmt: skip
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     assert not (pytester.path / "out").exists()
 

@@ -13,6 +13,7 @@ caller, one that breaks it (the finding the rule predicts).
 from __future__ import annotations
 
 import gc
+import os
 import weakref
 from collections.abc import Callable
 
@@ -22,6 +23,7 @@ import torch.distributed as dist
 
 from harness.controller.run_function import run_on_ranks
 from harness.devices import current_stream_set
+from harness.shared.backend_plugins import ENV_VAR
 
 Finding = tuple[str, str, str, bool]  # kind, this op, the earlier op, earlier on this stream
 
@@ -118,9 +120,14 @@ def work_holds_its_tensors_until_waited() -> tuple[bool, bool]:
 
 @pytest.fixture(scope="module")
 def rules() -> list[dict[str, list[Finding]]]:
-    return run_on_ranks(
+    published = os.environ.get(ENV_VAR)
+    results = run_on_ranks(
         rules_on_a_rank, 2, device="fakeaccel", backend="staged_gloo", stream_check=False
     )
+    # The fake device was published to these ranks only: every later child process of this
+    # session (other pools, child sessions) must start without it.
+    assert os.environ.get(ENV_VAR) == published
+    return results
 
 
 def test_a_collective_waits_for_the_current_stream_when_issued(rules):

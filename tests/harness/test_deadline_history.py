@@ -78,12 +78,12 @@ def test_without_a_cache_nothing_is_kept():
 def test_a_hang_after_a_recorded_run_costs_the_adapted_deadline_and_says_so(pytester, monkeypatch):
     pytester.makepyfile(test_switched=SWITCHED)
     pytester.makeini("[pytest]\ndist_deadline_floor = 3\n")
-    first = pytester.runpytest()
+    first = pytester.runpytest_subprocess()
     first.assert_outcomes(passed=1)
     assert pytester.path.joinpath(".pytest_cache").exists()
     monkeypatch.setenv("HANG_NOW", "1")
     started = time.monotonic()
-    hung = pytester.runpytest()
+    hung = pytester.runpytest_subprocess()
     elapsed = time.monotonic() - started
     hung.assert_outcomes(failed=1)
     text = hung.stdout.str()
@@ -94,21 +94,31 @@ def test_a_hang_after_a_recorded_run_costs_the_adapted_deadline_and_says_so(pyte
 def test_a_deadline_named_for_the_run_wins_over_the_record(pytester, monkeypatch):
     pytester.makepyfile(test_switched=SWITCHED)
     pytester.makeini("[pytest]\ndist_deadline_floor = 3\n")
-    pytester.runpytest().assert_outcomes(passed=1)
+    pytester.runpytest_subprocess().assert_outcomes(passed=1)
     monkeypatch.setenv("HANG_NOW", "1")
-    hung = pytester.runpytest("--dist-deadline", "5")
+    hung = pytester.runpytest_subprocess("--dist-deadline", "5")
     hung.assert_outcomes(failed=1)
     assert "deadline 5 s: named for the run (--dist-deadline or ini dist_deadline)" in (
         hung.stdout.str()
     )
 
 
-def test_without_pytests_cache_the_default_applies(pytester):
-    config = pytester.parseconfigure("-p", "no:cacheprovider")
-    assert deadline_history.history_of(config).deadline("x::y", 300.0)[0] == 300.0
+class IniOnly:
+    """A config with ini values and no cache (``-p no:cacheprovider``), without a session:
+    an in-process session would close the shared fork server of the session running this."""
+
+    def __init__(self, **ini: str) -> None:
+        self.stash = pytest.Stash()
+        self._ini = {"dist_deadline_multiplier": "10", "dist_deadline_floor": "30", **ini}
+
+    def getini(self, name: str) -> str:
+        return self._ini[name]
 
 
-def test_a_bad_multiplier_is_a_usage_error(pytester):
-    config = pytester.parseconfigure("-o", "dist_deadline_multiplier=0")
+def test_without_pytests_cache_the_default_applies():
+    assert deadline_history.history_of(IniOnly()).deadline("x::y", 300.0)[0] == 300.0
+
+
+def test_a_bad_multiplier_is_a_usage_error():
     with pytest.raises(pytest.UsageError, match="dist_deadline_multiplier must be a positive"):
-        deadline_history.history_of(config)
+        deadline_history.history_of(IniOnly(dist_deadline_multiplier="0"))
