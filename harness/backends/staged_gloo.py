@@ -40,8 +40,8 @@ torch's c10d: 2.13's ``all_gather_single`` / ``reduce_scatter_single`` /
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from datetime import timedelta
 from typing import Any
 
@@ -148,13 +148,9 @@ def _device_of(tensors: Tensors) -> torch.device | None:
     return next((t.device for t in tensors if t.device.type != "cpu"), None)
 
 
-@contextmanager
-def _unchecked(checker: StreamChecker | None) -> Iterator[None]:
-    if checker is None:
-        yield
-    else:
-        with checker.stream_check_paused():
-            yield
+def _unchecked(checker: StreamChecker | None) -> AbstractContextManager[None]:
+    """The checker's pause for the backend's own copies (nothing without a checker)."""
+    return nullcontext() if checker is None else checker.stream_check_paused()
 
 
 class StagedGlooProcessGroup(PythonProcessGroup):

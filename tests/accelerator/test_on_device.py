@@ -19,6 +19,7 @@ import torch.distributed as dist
 from harness import torch_api
 from harness.controller.config import binds_device_id
 from harness.controller.leasing import VISIBILITY_ENV
+from harness.devices import current_stream_set
 
 pytestmark = pytest.mark.requires_accelerator
 
@@ -113,33 +114,16 @@ def test_a_stream_waits_for_the_event_it_was_given(rank_ctx):
     consumer = torch.Stream(device=device)
     source = torch.zeros(1 << 20, device=device)
     producer.wait_stream(torch.accelerator.current_stream(device))  # the zeros come first
-    with _CurrentStream(producer):
+    with current_stream_set(producer):
         source.fill_(3.0)
         ready = torch.Event(device=device)
         ready.record(producer)
     consumer.wait_event(ready)
-    with _CurrentStream(consumer):
+    with current_stream_set(consumer):
         total = source.sum()
     consumer.synchronize()
     assert ready.query()
     assert total.item() == 3.0 * (1 << 20)
-
-
-class _CurrentStream:
-    """``with`` a stream current, on torch.accelerator's public calls (2.11 has no context)."""
-
-    def __init__(self, stream: torch.Stream) -> None:
-        self._stream = stream
-        self._before: torch.Stream | None = None
-
-    def __enter__(self) -> torch.Stream:
-        self._before = torch.accelerator.current_stream(self._stream.device)
-        torch.accelerator.set_stream(self._stream)
-        return self._stream
-
-    def __exit__(self, *exc: object) -> None:
-        assert self._before is not None
-        torch.accelerator.set_stream(self._before)
 
 
 @pytest.mark.world_size(2)
