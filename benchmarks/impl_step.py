@@ -4,7 +4,7 @@ For every world size (gloo process ranks, one torch thread per rank), model (the
 Transformer and ``MLPStack(256)``) and ``reshard_after_forward`` value, three *arms* train the
 same model (same seed, same data) with AdamW, sharded the same way (each block, then the root):
 
-* ``reference``: ``impl.reference``;
+* ``reference``: ``distconform.impl.reference``;
 * ``torch``: torch's ``fully_shard``;
 * ``torch_aa``: a second, independent torch instance. ``torch_aa / torch`` is the A/A ratio:
   the spread a ratio shows when nothing differs, i.e. the noise floor of this machine now.
@@ -35,11 +35,11 @@ Sharded parameter bytes per rank: the bytes of the distinct storages behind the 
 parameters' local tensors (padding included), against ``ceil(N / ws)`` parameters' worth (``N``
 = distinct parameter elements of the model).
 
-Traffic: one extra step per arm inside ``harness.comm.CommTracer``. Bytes moved per rank are
-taken from the sizes of the tensors the collectives were called with, not from the tracer's
-``wire_bytes``: an all-gather moves what its output has beyond its input, a reduce-scatter what
-its input has beyond its output. The expectation is ``harness.comm.min_bytes_per_rank`` applied
-to the parameter shapes of each ``fully_shard`` call, read from the unsharded model before
+Traffic: one extra step per arm inside ``distconform.harness.comm.CommTracer``. Bytes moved per rank
+are taken from the sizes of the tensors the collectives were called with, not from the tracer's
+``wire_bytes``: an all-gather moves what its output has beyond its input, a reduce-scatter what its
+input has beyond its output. The expectation is ``distconform.harness.comm.min_bytes_per_rank``
+applied to the parameter shapes of each ``fully_shard`` call, read from the unsharded model before
 sharding, with the all-gather counted once more for every group that reshards after forward.
 
     python benchmarks/impl_step.py --out impl_step.json            # the full benchmark
@@ -125,7 +125,7 @@ class Workload:
     def __init__(self, case: Case, impl_spec: str, mesh: Any, rank: int, device: Any) -> None:
         import torch
 
-        from impl.api import load_implementation
+        from distconform.impl.api import load_implementation
 
         impl = load_implementation(impl_spec)
         with torch.device(device):
@@ -174,7 +174,7 @@ def build_model(name: str) -> tuple[Any, list[Any]]:
     """The model (seeded, so every arm starts from the same weights) and its blocks."""
     import torch
 
-    from suites.models import MLPStack, ModelArgs, Transformer
+    from distconform.suites.models import MLPStack, ModelArgs, Transformer
 
     torch.manual_seed(0)
     if name == "transformer":
@@ -226,7 +226,7 @@ def run_rank(options: Options) -> dict[str, Any]:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from harness import get_rank_context
+    from distconform.harness import get_rank_context
 
     ctx = get_rank_context()
     rank, world_size, device = ctx.rank, ctx.world_size, ctx.device
@@ -295,7 +295,7 @@ def timed_run(workload: Workload, options: Options, dist: Any, device: Any) -> f
 
 def measure_traffic(workload: Workload, mesh: Any) -> dict[str, int]:
     """Calls and bytes moved by this rank in one step, from the collectives' tensor sizes."""
-    from harness.comm import CommTracer
+    from distconform.harness.comm import CommTracer
 
     with CommTracer(mesh=mesh, functional=False) as trace:
         workload.step()
@@ -440,7 +440,7 @@ def expected_traffic(
 ) -> dict[str, int]:
     """The minimum bytes per rank per step: one all-gather per group (two if it reshards
     after forward) and one reduce-scatter per group, fp32."""
-    from harness.comm import min_bytes_per_rank
+    from distconform.harness.comm import min_bytes_per_rank
 
     minimum = min_bytes_per_rank(groups, shard_size=world_size)
     gathers = 2 if raf else 1
@@ -650,7 +650,7 @@ def write_report(
     import torch
 
     report = {
-        # Read by `python -m harness conformance history` to place the run in time.
+        # Read by `python -m distconform conformance history` to place the run in time.
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "options": {**asdict(options), "cases": [asdict(c) for c in cases]},
         "machine": {
@@ -679,7 +679,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     # Read by the ranks at start-up: no per-collective trace files during timed steps.
     os.environ["DISTCONFORM_COMM_FLIGHT"] = "0"
-    from harness import run_on_ranks
+    from distconform.harness import run_on_ranks
 
     cases = tuple(Case(model, raf) for model in args.models for raf in args.raf)
     options = Options(

@@ -434,7 +434,7 @@ def _history(out: Path) -> list[dict[str, Any]]:
 
 
 def _environment(tree: Tree) -> dict[str, Any]:
-    sources = sorted((tree.root / "impl" / "reference").rglob("*.py"))
+    sources = sorted((tree.root / "distconform" / "impl" / "reference").rglob("*.py"))
     digest = hashlib.sha256(b"".join(p.read_bytes() for p in sources)).hexdigest()[:12]
     commit = subprocess.run(
         ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],

@@ -24,7 +24,7 @@ from pathlib import Path
 from mutation_operators import OPERATORS, Mutation, mutations_of
 
 #: The package the benchmark mutates, relative to the repository root.
-TARGET = "impl/reference"
+TARGET = "distconform/impl/reference"
 ID_PATTERN = re.compile(
     r"^(?P<path>[\w./-]+\.py)::(?P<qualname>[\w.]+)::(?P<operator>[a-z-]+)"
     r"::(?P<digest>[0-9a-f]{8})::(?P<occurrence>\d+)$"

@@ -15,7 +15,7 @@ a mutant left behind by a killed benchmark would break their runs. Instead:
   (a same-size edit within the same second would otherwise run the stale ``.pyc``), and
   restores the file afterwards.
 
-A stage is one ``python -m harness conformance --impl reference`` run with ``-x``: the quick
+A stage is one ``python -m distconform conformance --impl reference`` run with ``-x``: the quick
 stage is ``--quick`` (the items not marked slow), the full stage adds only the slow items
 (``-m slow``), since the quick ones already passed against the same mutant: together they
 are the full run. Each run has a wall-clock limit; a run over it is killed, with every
@@ -54,8 +54,8 @@ import os
 
 import pytest
 
-import harness
-import impl.reference
+import distconform.harness
+import distconform.impl.reference
 
 TREE = os.path.realpath(os.environ["MUTATION_BENCH_TREE"])
 
@@ -65,14 +65,14 @@ def _inside(path):
 
 
 def test_the_pytest_process_imports_the_copy():
-    assert _inside(impl.reference.__file__), impl.reference.__file__
-    assert _inside(harness.__file__), harness.__file__
+    assert _inside(distconform.impl.reference.__file__), distconform.impl.reference.__file__
+    assert _inside(distconform.harness.__file__), distconform.harness.__file__
 
 
 @pytest.mark.world_size(2)
 def test_the_ranks_import_the_copy(rank_ctx):
-    assert _inside(impl.reference.__file__), impl.reference.__file__
-    assert _inside(harness.__file__), harness.__file__
+    assert _inside(distconform.impl.reference.__file__), distconform.impl.reference.__file__
+    assert _inside(distconform.harness.__file__), distconform.harness.__file__
 '''
 
 
@@ -187,7 +187,7 @@ def stage_command(stage: str, tree: Tree, deadline_s: float) -> list[str]:
     return [
         sys.executable,
         "-m",
-        "harness",
+        "distconform",
         "conformance",
         "--impl",
         "reference",

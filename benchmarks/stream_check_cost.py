@@ -4,7 +4,7 @@ without it, in interleaved pairs.
     python benchmarks/stream_check_cost.py                  # 3 pairs, the reference
     python benchmarks/stream_check_cost.py --impl torch --pairs 2
 
-Each pair runs ``python -m harness conformance --quick --device fakeaccel`` once as is (the
+Each pair runs ``python -m distconform conformance --quick --device fakeaccel`` once as is (the
 checker on, the default) and once with ``--no-dist-stream-check``, alternating which goes
 first, and compares the pytest session walls the runs print (the fake device's build and
 interpreter start are outside them). The table gives every pair's ratio and their median;
@@ -37,7 +37,7 @@ def run_once(impl: str, checked: bool) -> dict[str, Any]:
     """One quick run: its session wall and its counts."""
     with tempfile.TemporaryDirectory() as out:
         command = [
-            sys.executable, "-m", "harness", "conformance", "--quick", "--device", "fakeaccel",
+            sys.executable, "-m", "distconform", "conformance", "--quick", "--device", "fakeaccel",
             "--impl", impl, "--out", out,
         ]  # fmt: skip
         if not checked:
@@ -79,7 +79,7 @@ def measure(impl: str, pairs: int) -> dict[str, Any]:
         "date": datetime.date.today().isoformat(),
         "machine": f"{os.cpu_count()} cores, torch {torch.__version__}, Python "
         f"{platform.python_version()}",
-        "command": f"python -m harness conformance --quick --device fakeaccel --impl {impl} "
+        "command": f"python -m distconform conformance --quick --device fakeaccel --impl {impl} "
         "[--no-dist-stream-check]",
         "impl": impl,
         "rows": rows,

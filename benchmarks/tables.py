@@ -38,7 +38,7 @@ import impl_step  # noqa: E402
 import mutation_report  # noqa: E402
 import stream_check_cost  # noqa: E402
 
-from harness.gpu_check.report import as_markdown  # noqa: E402
+from distconform.harness.gpu_check.report import as_markdown  # noqa: E402
 
 PAGES = ("README.md", "docs/benchmarks.md", "docs/gpu.md", "docs/mutation.md")
 _TABLE = re.compile(r"<!-- table: (?P<source>\S+) -->\n.*?<!-- end table -->", re.DOTALL)

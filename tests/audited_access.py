@@ -16,7 +16,7 @@ from types import ModuleType
 import pytest
 import torch
 
-from harness.torch_window import (
+from distconform.harness.torch_window import (
     SUPPORTED_TORCH,
     Audit,
     PrivateTorchAccessError,

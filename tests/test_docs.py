@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conformance import options_reference
+from distconform.conformance import options_reference
 
 ROOT = Path(__file__).resolve().parents[1]
 #: The README is for a newcomer; depth goes to docs/.
@@ -32,7 +32,7 @@ def test_the_readme_stays_short():
 )
 def test_the_option_reference_is_generated_from_the_definitions():
     assert options_reference.main(["--check"]) == 0, (
-        "docs/options.md is out of date: run python -m conformance.options_reference"
+        "docs/options.md is out of date: run python -m distconform.conformance.options_reference"
     )
 
 

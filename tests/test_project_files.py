@@ -9,7 +9,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKFLOWS = ROOT / ".github" / "workflows"
-RUNTIME_PACKAGES = ("harness", "impl", "suites", "conformance")
+RUNTIME_PACKAGES = ("distconform",)
 # Runtime dependencies that no module imports by name, and why they are still needed.
 NEEDED_UNIMPORTED = {
     "numpy": "torch warns 'Failed to initialize NumPy' at import without it, in every rank",
@@ -106,7 +106,7 @@ def test_each_runtime_dependency_is_used_and_test_tools_stay_in_the_test_extra()
 
 def test_the_tox_main_env_is_the_readme_main_job():
     readme = (ROOT / "README.md").read_text()
-    main_job = re.search(r"&& (python -m harness conformance [^\n`]*)", readme).group(1)
+    main_job = re.search(r"&& (python -m distconform conformance [^\n`]*)", readme).group(1)
     tox = (ROOT / "tox.ini").read_text()
     section = tox.split("[testenv:main]", 1)[1].split("\n[", 1)[0]
     assert f"commands = {main_job.strip()} {{posargs}}" in section, section

@@ -1,6 +1,6 @@
 """A failure, a hang and a pass after them, on the device under test (any, the CPU too).
 
-Not collected by default (no ``test_`` prefix): ``python -m harness gpu-check`` runs this
+Not collected by default (no ``test_`` prefix): ``python -m distconform gpu-check`` runs this
 file by path and checks the report of each test: the failure names its rank and its
 assertion, the hang ends as ``hung`` with the rank's stacks inside its deadline, and the test
 after them passes on fresh ranks.

@@ -1,7 +1,7 @@
 """The harness on an accelerator: placement, binding, collectives, memory and events.
 
 Run with the device under test, e.g. ``python -m pytest tests/accelerator --device cuda
---backend nccl`` (``python -m harness gpu-check`` does, at world size 1), or with ranks
+--backend nccl`` (``python -m distconform gpu-check`` does, at world size 1), or with ranks
 sharing one device: ``--backend staged_gloo --dist-share-devices``. On the CPU every test
 skips before any rank starts (``requires_accelerator``). Expected values come from the
 launch's arithmetic (which device a rank must own, what a sum of ranks is), never from
@@ -16,10 +16,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from harness import torch_api
-from harness.controller.config import binds_device_id
-from harness.controller.leasing import VISIBILITY_ENV
-from harness.devices import current_stream_set
+from distconform.harness import torch_api
+from distconform.harness.controller.config import binds_device_id
+from distconform.harness.controller.leasing import VISIBILITY_ENV
+from distconform.harness.devices import current_stream_set
 
 pytestmark = pytest.mark.requires_accelerator
 
@@ -128,7 +128,7 @@ def test_a_stream_waits_for_the_event_it_was_given(rank_ctx):
 
 @pytest.mark.world_size(2)
 def test_reference_fully_shard_trains_on_the_device(rank_ctx):
-    from impl.api import load_implementation
+    from distconform.impl.api import load_implementation
 
     impl = load_implementation("reference")
     mesh = rank_ctx.mesh((rank_ctx.world_size,))

@@ -21,8 +21,8 @@ from torch.testing._internal.distributed._tensor.common_dtensor import (
     LocalDTensorTestBase,
 )
 
-from harness.adopt import _torch_test_harness as torch_harness
-from harness.torch_window import (
+from distconform.harness.adopt import _torch_test_harness as torch_harness
+from distconform.harness.torch_window import (
     SUPPORTED_TORCH,
     V2_15,
     installed_torch_version,

@@ -26,7 +26,7 @@ MLP_GROUP_ELEMENTS = [2 * 256 * h + h + 256 for h in (768, 1024, 768)]
 
 
 def test_minimum_bytes_match_a_hand_count() -> None:
-    from suites.models import MLPStack
+    from distconform.suites.models import MLPStack
 
     model = MLPStack(256)
     groups = impl_step.parameter_groups(model, list(model))

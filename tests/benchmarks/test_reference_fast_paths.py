@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
-from impl import _torch_private
+from distconform.impl import _torch_private
 
 
 def test_dtensor_factory_refuses_an_unaudited_torch(monkeypatch: pytest.MonkeyPatch) -> None:

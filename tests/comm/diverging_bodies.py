@@ -10,7 +10,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from harness import torch_api
+from distconform.harness import torch_api
 
 
 def skip_an_all_reduce(skipping_rank: int) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from harness import torch_api
+from distconform.harness import torch_api
 
 
 def issue_each_op(world_size: int, rank: int, mesh) -> None:

@@ -7,7 +7,7 @@ import inspect
 import pytest
 import torch.distributed.distributed_c10d as c10d
 
-from harness.comm.records import BARRIER_FUNCTIONS, DIST_FUNCTIONS, _ArgumentBinder
+from distconform.harness.comm.records import BARRIER_FUNCTIONS, DIST_FUNCTIONS, _ArgumentBinder
 
 _FUNCTIONS = sorted(name for name in (*DIST_FUNCTIONS, *BARRIER_FUNCTIONS) if hasattr(c10d, name))
 

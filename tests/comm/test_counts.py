@@ -10,8 +10,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from harness import torch_api
-from harness.comm import CommTracer
+from distconform.harness import torch_api
+from distconform.harness.comm import CommTracer
 from tests.comm.ops import expected_records, issue_each_op, observed_records
 
 

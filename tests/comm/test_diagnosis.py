@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from harness import launch, torch_api
-from harness.controller.failure_report import render_failure
+from distconform.harness import launch, torch_api
+from distconform.harness.controller.failure_report import render_failure
 from tests.comm import diverging_bodies
 
 WORLD_SIZES = [2, 4]

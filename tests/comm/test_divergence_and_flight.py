@@ -8,10 +8,10 @@ import shutil
 
 import pytest
 
-from harness.comm import CollectiveCall, find_divergence, flight
-from harness.comm.flight import FlightRecorder
-from harness.comm.flight_files import diagnosis_note, read_rank_trace, trace_paths
-from harness.comm.records import RawCall
+from distconform.harness.comm import CollectiveCall, find_divergence, flight
+from distconform.harness.comm.flight import FlightRecorder
+from distconform.harness.comm.flight_files import diagnosis_note, read_rank_trace, trace_paths
+from distconform.harness.comm.records import RawCall
 
 
 def call(
@@ -196,7 +196,7 @@ def test_files_of_short_lived_directories_stay_bounded(tmp_path):
 
 
 def test_every_public_name_of_the_comm_package_resolves_on_first_use():
-    import harness.comm as comm
+    import distconform.harness.comm as comm
 
     assert sorted(comm._HOMES) == sorted(comm.__all__)
     for name in comm.__all__:

@@ -13,8 +13,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from harness.comm.flight import FlightRecorder
-from harness.comm.flight_files import read_rank_trace
+from distconform.harness.comm.flight import FlightRecorder
+from distconform.harness.comm.flight_files import read_rank_trace
 
 
 class _ReduceGradInBackward(torch.autograd.Function):

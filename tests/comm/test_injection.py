@@ -8,10 +8,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from harness import torch_api
-from harness.comm import CommTracer, delay_collectives, device_sleep, wrap_collectives
-from harness.comm.intercept import active_users, leftover_patches
-from harness.comm.records import WRAPPED_FUNCTIONS
+from distconform.harness import torch_api
+from distconform.harness.comm import CommTracer, delay_collectives, device_sleep, wrap_collectives
+from distconform.harness.comm.intercept import active_users, leftover_patches
+from distconform.harness.comm.records import WRAPPED_FUNCTIONS
 
 # Long enough to stand out from the scheduling noise of 4 rank threads on a loaded 2-core box.
 DELAY_S = 0.5
@@ -131,7 +131,7 @@ def test_nothing_stays_patched_after_exit_even_after_an_error(rank_ctx):
 
 
 def test_outside_any_rank_nothing_is_patched_after_exit():
-    from harness.threads.observe import has_listeners
+    from distconform.harness.threads.observe import has_listeners
 
     originals = _dist_functions()
     with CommTracer(), delay_collectives(0.01), CommTracer(functional=False):
@@ -145,7 +145,7 @@ def test_outside_any_rank_nothing_is_patched_after_exit():
 
 
 def test_busy_wait_and_device_sleep_guards():
-    from harness.comm import busy_wait
+    from distconform.harness.comm import busy_wait
 
     assert _timed(lambda: busy_wait(0.05)) >= 0.05
     if torch.accelerator.current_accelerator() is None:
@@ -160,7 +160,7 @@ def test_ranks_hold_the_wrappers_across_tasks(rank_ctx):
     # Installing and restoring all 65 wrappers around every task's flight recorder cost a
     # tenth of a millisecond a test; the rank process (or the thread host) holds them
     # instead, one user, and the flight recorders of the ranks in the process are the rest.
-    from harness.comm.flight_files import enabled
+    from distconform.harness.comm.flight_files import enabled
 
     if not enabled():
         pytest.skip("counts the flight recorders, which the environment turned off")

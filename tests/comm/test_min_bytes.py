@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from harness import torch_api
-from harness.comm import CommTracer, MinBytes, min_bytes_per_rank, padded_numel
+from distconform.harness import torch_api
+from distconform.harness.comm import CommTracer, MinBytes, min_bytes_per_rank, padded_numel
 
 
 def test_padding_rounds_dim_0_up_to_the_shard_size():

@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from harness import torch_api
-from harness.comm import CommTracer, assert_schedule
+from distconform.harness import torch_api
+from distconform.harness.comm import CommTracer, assert_schedule
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -59,7 +59,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from harness.comm import CommTracer, assert_schedule
+from distconform.harness.comm import CommTracer, assert_schedule
 
 
 @pytest.mark.world_size(2)

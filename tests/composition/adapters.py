@@ -17,8 +17,8 @@ from typing import Any
 
 from torch import nn
 
-from impl.api import KNOWN_CAPABILITIES, Implementation, load_implementation
-from impl.torch_adapter import TorchImplementation
+from distconform.impl.api import KNOWN_CAPABILITIES, Implementation, load_implementation
+from distconform.impl.torch_adapter import TorchImplementation
 
 
 class SummingGradients:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from suites.composition.pipeline import (
+from distconform.suites.composition.pipeline import (
     SCHEDULES,
     ActionLog,
     PipelineLayout,

@@ -10,8 +10,8 @@ import pytest
 import torch
 from torch.distributed.pipelining import PipelineStage
 
-from impl.api import load_implementation
-from suites.composition.pipeline import (
+from distconform.impl.api import load_implementation
+from distconform.suites.composition.pipeline import (
     DataParallelStage,
     LayerChunk,
     MLPModule,

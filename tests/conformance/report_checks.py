@@ -16,7 +16,7 @@ from xml.etree import ElementTree
 import jsonschema
 from markdown_it import MarkdownIt
 
-import conformance
+from distconform import conformance
 
 SCHEMA_FILE = Path(conformance.__file__).parent / "conformance.schema.json"
 

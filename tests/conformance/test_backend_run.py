@@ -1,4 +1,4 @@
-"""``python -m harness conformance --suite backend``: the command line it stands for, and one
+"""``python -m distconform conformance --suite backend``: the command line it stands for, and one
 real quick run on gloo whose report is about the backend only."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from conformance.cli import pytest_args
+from distconform.conformance.cli import pytest_args
 from tests.conformance.report_checks import check_report_dir
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -37,7 +37,7 @@ def test_a_quick_backend_run_reports_on_the_backend(tmp_path):
         [
             sys.executable,
             "-m",
-            "harness",
+            "distconform",
             "conformance",
             "--suite",
             "backend",

@@ -10,12 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from conformance import cli
-from conformance.compare import KINDS, NEW_FAIL, change_kind, compare
-from conformance.report import ConformanceReport
-from conformance.report import TestResult as ResultRow
-from conformance.saved import load_run
-from conformance.statuses import STATUSES
+from distconform.conformance import cli
+from distconform.conformance.compare import KINDS, NEW_FAIL, change_kind, compare
+from distconform.conformance.report import ConformanceReport
+from distconform.conformance.report import TestResult as ResultRow
+from distconform.conformance.saved import load_run
+from distconform.conformance.statuses import STATUSES
 from tests.conformance.report_checks import PageElements, check_json
 
 REPO = Path(__file__).resolve().parents[2]

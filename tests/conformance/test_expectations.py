@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from conformance.expectations import ExpectationsError, load, matches
-from conformance.tolerance import Tolerance
+from distconform.conformance.expectations import ExpectationsError, load, matches
+from distconform.conformance.tolerance import Tolerance
 
 NODE = "suites/test_training.py::test_mlp[ws2-raf=True]"
 
@@ -93,8 +93,8 @@ def test_tolerance_override_wins_only_where_set():
 def test_only_entries_for_collected_or_missing_files_are_stale(tmp_path):
     from types import SimpleNamespace
 
-    from conformance.expectations import Entry
-    from conformance.plugin import _could_have_matched
+    from distconform.conformance.expectations import Entry
+    from distconform.conformance.plugin import _could_have_matched
 
     (tmp_path / "suites").mkdir()
     (tmp_path / "suites" / "test_other.py").write_text("")

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conformance.out_lock import LOCK_NAME, OutputLock, read_holder
+from distconform.conformance.out_lock import LOCK_NAME, OutputLock, read_holder
 
 SLOW_TEST = """
 import pathlib, time

@@ -10,8 +10,8 @@ import textwrap
 
 import pytest
 
-from conformance.renderers import markdown, terminal, text
-from conformance.report import (
+from distconform.conformance.renderers import markdown, terminal, text
+from distconform.conformance.report import (
     CAPABILITIES_PROPERTY,
     CASE_PROPERTY,
     ConformanceReport,
@@ -21,9 +21,9 @@ from conformance.report import (
     profiles_from_hook,
     profiles_of_test,
 )
-from harness.shared.outcomes import STREAM_SAFETY_HEADLINE
-from impl.api import KNOWN_CAPABILITIES
-from suites.cases import IMPLEMENTATION, SUBJECT_PROPERTY, load_profiles, parse_profiles
+from distconform.harness.shared.outcomes import STREAM_SAFETY_HEADLINE
+from distconform.impl.api import KNOWN_CAPABILITIES
+from distconform.suites.cases import IMPLEMENTATION, SUBJECT_PROPERTY, load_profiles, parse_profiles
 from tests.conformance.report_checks import check_markdown
 from tests.conformance.test_report_units import report
 from tests.suites.test_cases import collect
@@ -54,8 +54,8 @@ def test_the_table_defines_the_required_core_and_one_extension_per_other_capabil
 
 
 def test_the_backend_table_has_its_own_core_and_extensions():
-    from suites.backend_capabilities import KNOWN_BACKEND_CAPABILITIES
-    from suites.cases import BACKEND
+    from distconform.suites.backend_capabilities import KNOWN_BACKEND_CAPABILITIES
+    from distconform.suites.cases import BACKEND
 
     profiles = [p for p in load_profiles() if p.subject == BACKEND]
     assert (profiles[0].name, profiles[0].required) == ("c10d-core", True)
@@ -89,7 +89,7 @@ def test_profile_rows_are_validated_like_cases():
 
 
 def test_the_conformance_plugins_hook_answer_parses_back():
-    from conformance.plugin import pytest_distconform_conformance_profiles
+    from distconform.conformance.plugin import pytest_distconform_conformance_profiles
 
     answer = pytest_distconform_conformance_profiles(config=None)
     assert json.loads(json.dumps(answer)) == answer  # plain data, as the hook promises
@@ -135,8 +135,8 @@ def test_every_case_item_records_its_case_and_needs(
 
 
 def test_recording_twice_keeps_one_entry_each():
-    from harness.controller.session import world_size_of
-    from suites.cases import apply_case_table
+    from distconform.harness.controller.session import world_size_of
+    from distconform.suites.cases import apply_case_table
 
     item = collect("fsdp.prefetch.explicit", 2)
     apply_case_table(

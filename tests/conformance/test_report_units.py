@@ -6,8 +6,8 @@ from collections import Counter
 
 import pytest
 
-from conformance.renderers import text
-from conformance.report import (
+from distconform.conformance.renderers import text
+from distconform.conformance.report import (
     ConformanceReport,
     Recorder,
     conformance_percent,

@@ -21,15 +21,15 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = ("harness", "impl", "suites", "conformance")
 HOSTILE_PYPROJECT = '[tool.pytest.ini_options]\naddopts = ["-x", "-k", "nothing_matches_this"]\n'
 
 
 def installed_like(vendor: Path) -> Path:
     """distconform's packages under ``vendor/site``, without pytest settings beside them."""
     site = vendor / "site"
-    for name in PACKAGES:
-        shutil.copytree(ROOT / name, site / name, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(
+        ROOT / "distconform", site / "distconform", ignore=shutil.ignore_patterns("__pycache__")
+    )
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     points = project["entry-points"]
     lines = ["[project]", 'name = "distconform"', 'version = "0"']
@@ -47,7 +47,7 @@ def collected(cwd: Path, out: Path, site: Path | None, *extra: str) -> tuple[str
     if site is not None:
         env["PYTHONPATH"] = str(site)
     done = subprocess.run(
-        [sys.executable, "-m", "harness", "conformance", "--impl", "reference", "--quick",
+        [sys.executable, "-m", "distconform", "conformance", "--impl", "reference", "--quick",
          "--out", str(out), "--co", "-q", *extra],
         cwd=cwd, env=env, capture_output=True, text=True, timeout=300,
     )  # fmt: skip

@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from conformance.progress import STILL_RUNNING
+from distconform.conformance.progress import STILL_RUNNING
 from tests.conformance.report_checks import check_report_dir
 
 THREE_TESTS = """
@@ -90,7 +90,7 @@ def test_the_report_on_disk_says_unfinished_while_the_run_goes_on(pytester):
         (
             ["--conformance-out", "out", "--impl", "os:path"],
             "ERROR: --impl os:path: os:path is a module, not a factory: the name after ':' must "
-            "be a function (or class) that returns an impl.api.Implementation",
+            "be a function (or class) that returns a distconform.impl.api.Implementation",
         ),
         (
             ["--conformance-out", "out", "--world-sizes", "3"],
@@ -121,7 +121,7 @@ def test_a_bad_command_line_is_one_line_before_any_test(pytester, options, messa
 
 
 def test_the_cli_refuses_an_unwritable_out_in_its_own_words(tmp_path, capsys):
-    from conformance.cli import main
+    from distconform.conformance.cli import main
 
     blocked = tmp_path / "afile"
     blocked.write_text("")

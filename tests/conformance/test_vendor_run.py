@@ -1,6 +1,6 @@
 """A vendor's run, out of tree: its own implementation, backend and expectations file.
 
-One ``python -m harness conformance`` subprocess runs a small test module against a package
+One ``python -m distconform conformance`` subprocess runs a small test module against a package
 built in a temp dir (``acme_fsdp:implementation``, a ``--backend-plugin`` that registers the
 c10d backend ``acmegloo``, an expectations file); every test below checks one aspect of
 that run's report, so the run is paid for once.
@@ -32,7 +32,7 @@ from tests.conformance.report_checks import check_report_dir
 REPO = Path(__file__).resolve().parents[2]
 
 ACME_FSDP = """
-from impl.reference import ReferenceImplementation
+from distconform.impl.reference import ReferenceImplementation
 
 
 class AcmeFSDP(ReferenceImplementation):
@@ -109,7 +109,7 @@ def test_tolerance_on_ranks(rank_ctx, conformance_tolerance):
 
 
 ACME_CASE_TESTS = """
-from suites.cases import conformance
+from distconform.suites.cases import conformance
 
 
 @conformance("fsdp.forward_inputs.no_inputs")  # ws 2, needs nothing: fsdp2-core
@@ -170,7 +170,7 @@ def vendor_run(tmp_path_factory) -> tuple[subprocess.CompletedProcess, dict, Pat
     env["PYTHONPATH"] = os.pathsep.join([str(root), str(REPO), env.get("PYTHONPATH", "")])
     env.pop("DISTCONFORM_IMPL", None)
     command = [
-        sys.executable, "-m", "harness", "conformance",
+        sys.executable, "-m", "distconform", "conformance",
         "--impl", "acme_fsdp:implementation",
         "--backend", "acmegloo",
         "--backend-plugin", "acme_backend",

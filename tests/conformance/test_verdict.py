@@ -17,11 +17,11 @@ import sys
 
 import pytest
 
-from conformance.pages.run import render_run
-from conformance.renderers import FILE_FORMATS, terminal
-from conformance.renderers.format import write_files
-from conformance.saved import run_from_json
-from conformance.verdict import (
+from distconform.conformance.pages.run import render_run
+from distconform.conformance.renderers import FILE_FORMATS, terminal
+from distconform.conformance.renderers.format import write_files
+from distconform.conformance.saved import run_from_json
+from distconform.conformance.verdict import (
     CONFORMANT,
     INCOMPLETE,
     NOT_ASSESSED,
@@ -192,7 +192,7 @@ def test_a_broken_implementation_run_reports_not_conformant(tmp_path):
     """Through the vendor command: a reference that skips the gradient average."""
     out = tmp_path / "report"
     command = [
-        sys.executable, "-m", "harness", "conformance",
+        sys.executable, "-m", "distconform", "conformance",
         "--impl", "tests.suites.broken:skip_grad_average", "--quick", "--out", str(out),
         "suites/test_training_parity.py::test_train_parity_single_group_shard_dim0"
         "[ws2-lin_shapes=7x15_15x3]",
@@ -222,7 +222,8 @@ def test_a_suite_module_missing_a_package_is_named_and_leaves_the_run_incomplete
     )
     out = tmp_path / "report"
     command = [
-        sys.executable, "-m", "harness", "conformance", "--impl", "reference", "--out", str(out),
+        sys.executable, "-m", "distconform", "conformance", "--impl", "reference",
+        "--out", str(out),
         "suites/properties/test_training_properties.py", "-p", "no:cacheprovider",
         "-p", "no:hypothesispytest",  # hypothesis's own pytest plugin needs hypothesis
     ]  # fmt: skip

@@ -21,9 +21,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from harness.controller.run_function import run_on_ranks
-from harness.devices import current_stream_set
-from harness.shared.backend_plugins import ENV_VAR
+from distconform.harness.controller.run_function import run_on_ranks
+from distconform.harness.devices import current_stream_set
+from distconform.harness.shared.backend_plugins import ENV_VAR
 
 Finding = tuple[str, str, str, bool]  # kind, this op, the earlier op, earlier on this stream
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from harness.devices import fakeaccel
+from distconform.harness.devices import fakeaccel
 
 ROOT = Path(__file__).resolve().parents[2]
 DEVICE = torch.device("fakeaccel", 0)
@@ -163,7 +163,7 @@ def _in_child(code: str, **env: str) -> dict:
 def test_the_visibility_variable_narrows_the_devices_of_a_process():
     code = """
         import json, torch
-        import harness.devices.fakeaccel
+        import distconform.harness.devices.fakeaccel
         print(json.dumps({"count": torch.accelerator.device_count()}))
     """
     assert _in_child(code, FAKEACCEL_DEVICE_COUNT="6", FAKEACCEL_VISIBLE_DEVICES="4,5") == {
@@ -173,7 +173,7 @@ def test_the_visibility_variable_narrows_the_devices_of_a_process():
 
 
 def test_a_visible_device_the_machine_lacks_is_refused():
-    code = "import torch, harness.devices.fakeaccel; torch.ones(1, device='fakeaccel')"
+    code = "import torch, distconform.harness.devices.fakeaccel; torch.ones(1, device='fakeaccel')"
     completed = subprocess.run(
         [sys.executable, "-c", code],
         cwd=ROOT,

@@ -1,6 +1,6 @@
 """The harness and the suites on the fake accelerator, as a user runs them.
 
-Each test is one command a user types (``pytest --device fakeaccel``, ``python -m harness
+Each test is one command a user types (``pytest --device fakeaccel``, ``python -m distconform
 conformance --device fakeaccel``), run as a child process, and checks what its report
 says. They are the default run's proof that the accelerator paths work: device placement,
 one device per rank and leases, ranks sharing one device, a Python backend on a device,
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from harness.controller.leasing import LEASE_DIR_ENV
+from distconform.harness.controller.leasing import LEASE_DIR_ENV
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -36,7 +36,7 @@ def _run(args: list[str], *, env: dict[str, str] | None = None, timeout: float =
 
 def _conformance(tmp_path: Path, *args: str, env: dict[str, str] | None = None) -> dict:
     completed = _run(
-        ["-m", "harness", "conformance", "--quick", "--device", "fakeaccel",
+        ["-m", "distconform", "conformance", "--quick", "--device", "fakeaccel",
          "--out", str(tmp_path), *args],
         env=env,
     )  # fmt: skip

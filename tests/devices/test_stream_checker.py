@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from harness.devices import current_stream_set, fakeaccel, stream_checker
-from harness.rank.stream_safety import StreamSafetyError, describe, stream_safety
+from distconform.harness.devices import current_stream_set, fakeaccel, stream_checker
+from distconform.harness.rank.stream_safety import StreamSafetyError, describe, stream_safety
 
 DEVICE = torch.device("fakeaccel", 0)
 module = fakeaccel.module

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from harness import Outcome
+from distconform.harness import Outcome
 
 BAD_RANK = 1
 

@@ -14,12 +14,12 @@ from dataclasses import replace
 import psutil
 import pytest
 
-from harness import Outcome
-from harness.controller.dispatch import make_pool
-from harness.controller.failure_report import render_failure
-from harness.controller.pools import PoolKey, PoolManager
-from harness.controller.process.spawning import shared_zygote
-from harness.shared.memory_sizes import parse_size
+from distconform.harness import Outcome
+from distconform.harness.controller.dispatch import make_pool
+from distconform.harness.controller.failure_report import render_failure
+from distconform.harness.controller.pools import PoolKey, PoolManager
+from distconform.harness.controller.process.spawning import shared_zygote
+from distconform.harness.shared.memory_sizes import parse_size
 from tests.faults import faults
 from tests.faults.conftest import record_row
 from tests.harness.conftest import task_for

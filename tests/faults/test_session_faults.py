@@ -12,7 +12,7 @@ import uuid
 import psutil
 import pytest
 
-from harness.controller.process.pool import ProcessPool, ProcessPoolSpec
+from distconform.harness.controller.process.pool import ProcessPool, ProcessPoolSpec
 from tests.harness.test_lifecycle import _processes_tagged
 
 HANGING_MODULE = textwrap.dedent(
@@ -92,7 +92,7 @@ def test_a_module_that_cannot_be_imported_in_the_ranks_fails_once(pytester):
         import sys
         import pytest
 
-        if "harness.rank.worker" in sys.modules:
+        if "distconform.harness.rank.worker" in sys.modules:
             raise ImportError("this module cannot be imported inside a rank")
 
         @pytest.mark.world_size(2)

@@ -6,9 +6,9 @@ import sys
 
 import pytest
 
-from harness.controller.dispatch import make_pool
-from harness.controller.pools import PoolKey, PoolManager
-from harness.shared.task import RankTask, pack_call
+from distconform.harness.controller.dispatch import make_pool
+from distconform.harness.controller.pools import PoolKey, PoolManager
+from distconform.harness.shared.task import RankTask, pack_call
 
 
 def task_for(fn, *args, seed: int = 0) -> RankTask:

@@ -10,7 +10,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from harness import get_rank_context
+from distconform.harness import get_rank_context
 
 
 def all_reduce_rank_sum() -> float:

@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from harness import ConfigError, launch
-from harness.controller.config import (
+from distconform.harness import ConfigError, launch
+from distconform.harness.controller.config import (
     check_device_type,
     check_world_size,
     default_threads_per_rank,
     parse_world_sizes,
 )
-from harness.controller.deadline import pg_timeout_for
-from harness.controller.launcher_registry import launcher_named, resolve_backend
+from distconform.harness.controller.deadline import pg_timeout_for
+from distconform.harness.controller.launcher_registry import launcher_named, resolve_backend
 from tests.harness import rank_bodies
 
 
@@ -63,7 +63,7 @@ def test_collectives_time_out_before_the_deadline():
     ],
 )
 def test_launch_rejects_bad_input_without_spawning(monkeypatch, kwargs, message):
-    from harness.controller.process.pool import ProcessPool
+    from distconform.harness.controller.process.pool import ProcessPool
 
     def refuse(*args, **kw):
         raise AssertionError("spawned despite bad input")

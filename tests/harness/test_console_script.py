@@ -1,5 +1,5 @@
 """``distconform``, the console script ``pip install`` puts next to the interpreter, runs the
-same commands as ``python -m harness`` and names itself in their usage lines."""
+same commands as ``python -m distconform`` and names itself in their usage lines."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from harness import entry_points as distconform_entry_points
+from distconform.harness import entry_points as distconform_entry_points
 
 pytestmark = pytest.mark.skipif(
     not distconform_entry_points.is_installed(),
@@ -24,7 +24,7 @@ def script() -> Path:
 
 def test_the_script_is_declared_and_installed():
     declared = [e.value for e in entry_points(group="console_scripts") if e.name == "distconform"]
-    assert declared == ["harness.__main__:console"], (
+    assert declared == ["distconform.harness.__main__:console"], (
         f"console script distconform: {declared}; an install from before pyproject.toml declared "
         f"it has none: reinstall with pip install -c constraints.txt -e ."
     )
@@ -49,10 +49,10 @@ def test_the_script_lists_the_commands_and_names_itself():
 
 def test_python_dash_m_harness_still_names_itself():
     done = subprocess.run(
-        [sys.executable, "-m", "harness", "conformance", "--help"],
+        [sys.executable, "-m", "distconform", "conformance", "--help"],
         capture_output=True,
         text=True,
         timeout=60,
     )
     assert done.returncode == 0, done.stderr
-    assert done.stdout.startswith("usage: python -m harness conformance"), done.stdout
+    assert done.stdout.startswith("usage: python -m distconform conformance"), done.stdout

@@ -9,9 +9,9 @@ import time
 
 import pytest
 
-from harness.controller import deadline_history
-from harness.controller.deadline_history import CACHE_KEY, DurationHistory
-from harness.shared.outcomes import Outcome, RankResult, RunResult
+from distconform.harness.controller import deadline_history
+from distconform.harness.controller.deadline_history import CACHE_KEY, DurationHistory
+from distconform.harness.shared.outcomes import Outcome, RankResult, RunResult
 
 SWITCHED = """
 import os, time

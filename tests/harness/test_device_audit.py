@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from harness.rank.device_audit import DeviceAudit, DeviceAuditError
+from distconform.harness.rank.device_audit import DeviceAudit, DeviceAuditError
 
 # Lines tagged "# LINE:<name>" are the ones a failure must name.
 AUDITED_MODULE = textwrap.dedent(
@@ -163,7 +163,7 @@ def test_the_option_audits_every_test_on_thread_ranks(pytester):
 
 
 def test_the_ini_value_turns_the_audit_on(pytester):
-    from harness.controller.session import SETTINGS_KEY
+    from distconform.harness.controller.session import SETTINGS_KEY
 
     pytester.makeini("[pytest]\ndist_device_audit = true\n")
     assert pytester.parseconfigure().stash[SETTINGS_KEY].device_audit is True

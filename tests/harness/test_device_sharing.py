@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import pytest
 
-from harness.backends import staged_gloo
-from harness.controller.config import DistSettings, binds_device_id, sharing_refusal
-from harness.controller.dispatch import make_pool
-from harness.controller.leasing import FAKE_COUNT_ENV, LeasedPool
-from harness.controller.pools import PoolKey
-from harness.controller.process.pool import ProcessPool
+from distconform.harness.backends import staged_gloo
+from distconform.harness.controller.config import DistSettings, binds_device_id, sharing_refusal
+from distconform.harness.controller.dispatch import make_pool
+from distconform.harness.controller.leasing import FAKE_COUNT_ENV, LeasedPool
+from distconform.harness.controller.pools import PoolKey
+from distconform.harness.controller.process.pool import ProcessPool
 
 NEEDS_FOUR_RANKS = """
     import pytest

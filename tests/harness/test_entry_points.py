@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from harness import entry_points
+from distconform.harness import entry_points
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -20,19 +20,19 @@ def test_installed_plugins_are_not_named_again():
 def test_a_plain_tree_names_its_plugins_and_reads_its_commands(monkeypatch):
     monkeypatch.setattr(entry_points, "_installed", lambda group: {})
     assert entry_points.pytest_plugin_args() == [
-        *("-p", "harness.plugin"),
-        *("-p", "conformance.plugin"),
-        *("-p", "harness.adopt.options"),
+        *("-p", "distconform.harness.plugin"),
+        *("-p", "distconform.conformance.plugin"),
+        *("-p", "distconform.harness.adopt.options"),
     ]
     commands = entry_points.commands()
     assert {"conformance", "bench-collectives", "gpu-check"} <= set(commands)
-    assert commands["gpu-check"].value == "harness.gpu_check.cli:main"
+    assert commands["gpu-check"].value == "distconform.harness.gpu_check.cli:main"
 
 
 def test_python_m_harness_lists_the_commands_without_an_install():
     # -S: no site-packages, so no installed distribution and no entry point at all.
     completed = subprocess.run(
-        [sys.executable, "-S", "-m", "harness", "--help"],
+        [sys.executable, "-S", "-m", "distconform", "--help"],
         cwd=ROOT,
         env={"PYTHONPATH": str(ROOT)},
         capture_output=True,

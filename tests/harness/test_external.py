@@ -251,7 +251,7 @@ def test_a_conformance_run_under_torchrun_writes_one_report_on_rank_0(tmp_path):
     command = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
         "--redirects", "3", "--log-dir", str(tmp_path / "logs"),
-        "-m", "harness", "conformance", "--launcher", "external", "--world-sizes", "2",
+        "-m", "distconform", "conformance", "--launcher", "external", "--world-sizes", "2",
         "--quick", "-k", "hsdp", "--out", str(tmp_path / "report"), "-p", "no:cacheprovider",
     ]  # fmt: skip
     subprocess.run(command, cwd=tmp_path, env=_env(tmp_path), timeout=300, check=False)

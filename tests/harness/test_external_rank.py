@@ -6,10 +6,10 @@ import time
 
 import pytest
 
-from harness.controller.config import ConfigError
-from harness.controller.external.rank import ExternalRank
-from harness.controller.external.report_diversion import report_file
-from harness.controller.external.world import _PeerFailureWatch
+from distconform.harness.controller.config import ConfigError
+from distconform.harness.controller.external.rank import ExternalRank
+from distconform.harness.controller.external.report_diversion import report_file
+from distconform.harness.controller.external.world import _PeerFailureWatch
 
 TORCHRUN = {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "MASTER_ADDR": "node0",
             "MASTER_PORT": "29400", "TORCHELASTIC_RUN_ID": "job-7"}  # fmt: skip

@@ -1,4 +1,4 @@
-"""python -m harness gpu-check: its judges, its limits and budget, and runs on a fake GPU.
+"""python -m distconform gpu-check: its judges, its limits and budget, and runs on a fake GPU.
 
 The judges read artifacts written here by hand (a JUnit file, a conformance report), so each
 verdict is checked against what the artifact says, both ways. The check itself runs on the
@@ -17,10 +17,10 @@ from pathlib import Path
 
 import pytest
 
-from harness.gpu_check import steps
-from harness.gpu_check.cli import DEFAULT_BUDGET_S, TREE
-from harness.gpu_check.runner import MIN_STEP_S, run_all, run_step
-from harness.gpu_check.steps import (
+from distconform.harness.gpu_check import steps
+from distconform.harness.gpu_check.cli import DEFAULT_BUDGET_S, TREE
+from distconform.harness.gpu_check.runner import MIN_STEP_S, run_all, run_step
+from distconform.harness.gpu_check.steps import (
     ERROR,
     FAIL,
     PASS,
@@ -199,7 +199,7 @@ ONE_FAKE_DEVICE = {**os.environ, "FAKEACCEL_DEVICE_COUNT": "1"}
 
 def test_gpu_check_on_one_fake_device_writes_both_reports(tmp_path):
     completed = subprocess.run(
-        [sys.executable, "-m", "harness", "gpu-check", "--device", "fakeaccel", "--out",
+        [sys.executable, "-m", "distconform", "gpu-check", "--device", "fakeaccel", "--out",
          str(tmp_path), "--only", "environment,accelerator-tests"],
         cwd=TREE,
         env=ONE_FAKE_DEVICE,
@@ -218,7 +218,7 @@ def test_gpu_check_on_one_fake_device_writes_both_reports(tmp_path):
 @pytest.mark.slow
 def test_the_whole_check_passes_on_one_fake_device_within_its_budget(tmp_path):
     completed = subprocess.run(
-        [sys.executable, "-m", "harness", "gpu-check", "--device", "fakeaccel",
+        [sys.executable, "-m", "distconform", "gpu-check", "--device", "fakeaccel",
          "--out", str(tmp_path)],
         cwd=TREE,
         env=ONE_FAKE_DEVICE,

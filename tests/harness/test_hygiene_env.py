@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import os
 
-from harness.rank import hygiene
-from harness.shared.environ import VOLATILE_ENV
+from distconform.harness.rank import hygiene
+from distconform.harness.shared.environ import VOLATILE_ENV
 
 
 def test_every_kind_of_environment_change_is_named(monkeypatch):

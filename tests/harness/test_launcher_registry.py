@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from harness.controller.config import ConfigError
-from harness.controller.launcher_registry import (
+from distconform.harness.controller.config import ConfigError
+from distconform.harness.controller.launcher_registry import (
     BUILT_IN,
     launcher_named,
     names,

@@ -14,14 +14,23 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
+TOP = "distconform"
 PACKAGES = ("conformance", "suites", "impl", "harness")  # each may import those after it
+
+
+def _layer(module: str) -> str | None:
+    """Which of PACKAGES ``module`` belongs to (``distconform.impl.api``: ``impl``)."""
+    parts = module.split(".")
+    if len(parts) > 1 and parts[0] == TOP and parts[1] in PACKAGES:
+        return parts[1]
+    return None
 
 
 @functools.cache
 def _modules() -> dict[str, Path]:
     found = {}
     for package in PACKAGES:
-        for path in (ROOT / package).rglob("*.py"):
+        for path in (ROOT / TOP / package).rglob("*.py"):
             parts = path.relative_to(ROOT).with_suffix("").parts
             if path.name.startswith("test_"):
                 continue
@@ -69,7 +78,7 @@ def _imports(path: Path, module: str, *, module_level_only: bool) -> set[str]:
             visit(child, inside)
 
     visit(tree, True)
-    return {name for name in found if name.split(".")[0] in PACKAGES}
+    return {name for name in found if _layer(name) is not None}
 
 
 def _resolve(name: str, modules: dict[str, Path]) -> str | None:
@@ -82,9 +91,9 @@ def test_every_import_runs_from_a_package_to_those_below_it():
     modules = _modules()
     upward = []
     for module, path in sorted(modules.items()):
-        rank = PACKAGES.index(module.split(".")[0])
+        rank = PACKAGES.index(_layer(module))
         for imported in sorted(_imports(path, module, module_level_only=False)):
-            if PACKAGES.index(imported.split(".")[0]) < rank:
+            if PACKAGES.index(_layer(imported)) < rank:
                 upward.append(f"{module} imports {imported}")
     assert not upward, "imports against conformance -> suites -> impl -> harness:\n" + "\n".join(
         upward
@@ -92,7 +101,13 @@ def test_every_import_runs_from_a_package_to_those_below_it():
 
 
 #: Inside ``harness``, the folders by side, each allowed to import only those after it.
-SIDES = ("harness.controller", "harness.rank", "harness.comm", "harness.threads", "harness.shared")
+SIDES = (
+    "distconform.harness.controller",
+    "distconform.harness.rank",
+    "distconform.harness.comm",
+    "distconform.harness.threads",
+    "distconform.harness.shared",
+)
 
 
 def _side(module: str) -> str | None:
@@ -124,10 +139,15 @@ def test_inside_the_harness_imports_run_from_the_pytest_side_to_the_ranks_to_wha
 
 def test_the_side_check_finds_a_rank_module_that_imports_the_pytest_side():
     imports = {
-        "harness.rank.worker": {"harness.controller.pools", "harness.shared.task"},
-        "harness.controller.pools": {"harness.rank.worker"},
+        "distconform.harness.rank.worker": {
+            "distconform.harness.controller.pools",
+            "distconform.harness.shared.task",
+        },
+        "distconform.harness.controller.pools": {"distconform.harness.rank.worker"},
     }
-    assert upward_side_imports(imports) == ["harness.rank.worker imports harness.controller.pools"]
+    assert upward_side_imports(imports) == [
+        "distconform.harness.rank.worker imports distconform.harness.controller.pools"
+    ]
 
 
 def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -191,11 +211,13 @@ def test_the_import_reader_sees_function_local_and_relative_imports(tmp_path):
     source = tmp_path / "mod.py"
     source.write_text(
         "from typing import TYPE_CHECKING\n"
-        "import harness.controller.config\n"
-        "if TYPE_CHECKING:\n    import suites.cases\n"
-        "def f():\n    from conformance import report\n"
+        "import distconform.harness.controller.config\n"
+        "if TYPE_CHECKING:\n    import distconform.suites.cases\n"
+        "def f():\n    from distconform.conformance import report\n"
     )
-    everything = _imports(source, "harness.mod", module_level_only=False)
-    assert {"harness.controller.config", "conformance.report"} <= everything
-    assert "suites.cases" not in everything
-    assert _imports(source, "harness.mod", module_level_only=True) == {"harness.controller.config"}
+    everything = _imports(source, "distconform.harness.mod", module_level_only=False)
+    assert {"distconform.harness.controller.config", "distconform.conformance.report"} <= everything
+    assert "distconform.suites.cases" not in everything
+    assert _imports(source, "distconform.harness.mod", module_level_only=True) == {
+        "distconform.harness.controller.config"
+    }

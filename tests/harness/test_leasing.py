@@ -11,19 +11,19 @@ import time
 
 import pytest
 
-from harness.controller.leasing import (
+from distconform.harness.controller.leasing import (
     FAKE_COUNT_ENV,
     LEASE_DIR_ENV,
     LeasedPool,
     LeaseTimeout,
     lease_devices,
 )
-from harness.controller.pools import PoolKey, PoolManager
+from distconform.harness.controller.pools import PoolKey, PoolManager
 
 HOLDER = textwrap.dedent(
     """
     import json, sys, time
-    from harness.controller.leasing import lease_devices
+    from distconform.harness.controller.leasing import lease_devices
     lease = lease_devices("cuda", int(sys.argv[1]), int(sys.argv[2]), timeout=float(sys.argv[3]))
     print(json.dumps(list(lease.indices)), flush=True)
     time.sleep(float(sys.argv[4]))

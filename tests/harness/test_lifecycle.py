@@ -69,8 +69,8 @@ def test_killing_pytest_leaves_no_rank_alive(tmp_path):
         workers = [
             p
             for p in descendants
-            if "harness.rank.worker" in " ".join(p.cmdline())
-            or "harness.rank.zygote" in " ".join(p.cmdline())
+            if "distconform.harness.rank.worker" in " ".join(p.cmdline())
+            or "distconform.harness.rank.zygote" in " ".join(p.cmdline())
         ]
         assert len(descendants) >= 2 and workers == descendants
         inner.send_signal(signal.SIGKILL)

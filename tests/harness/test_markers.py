@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from harness.controller.config import ConfigError
-from harness.controller.markers import (
+from distconform.harness.controller.config import ConfigError
+from distconform.harness.controller.markers import (
     deadline_of,
     memory_limit_of,
     required_devices_of,

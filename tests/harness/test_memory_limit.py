@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from harness import Outcome
-from harness.controller.failure_report import render_failure
-from harness.shared.memory_sizes import format_size, parse_size
+from distconform.harness import Outcome
+from distconform.harness.controller.failure_report import render_failure
+from distconform.harness.shared.memory_sizes import format_size, parse_size
 from tests.harness.conftest import KEY4, task_for
 
 

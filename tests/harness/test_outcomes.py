@@ -6,8 +6,8 @@ import signal
 
 import pytest
 
-from harness import Outcome, launch, run_on_ranks
-from harness.controller.failure_report import DistributedFailure, render_failure
+from distconform.harness import Outcome, launch, run_on_ranks
+from distconform.harness.controller.failure_report import DistributedFailure, render_failure
 from tests.harness import rank_bodies
 
 WORLD_SIZES = [2, 4]

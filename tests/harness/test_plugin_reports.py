@@ -80,7 +80,7 @@ def test_skips_decided_in_the_parent_never_spawn(pytester, monkeypatch):
     monkeypatch.setenv("DISTCONFORM_FAKE_DEVICE_COUNT", "0")  # "has 0" on a GPU machine too
     pytester.makeconftest(
         """
-        from harness.controller.process.pool import ProcessPool
+        from distconform.harness.controller.process.pool import ProcessPool
 
         def refuse_to_spawn(*args, **kwargs):
             raise AssertionError("a rank was spawned for a test that must be skipped")

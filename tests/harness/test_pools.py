@@ -6,9 +6,9 @@ import os
 
 import pytest
 
-from harness import Outcome
-from harness.controller.pools import PoolManager, PoolStartFailure
-from harness.controller.process.pool import ProcessPool, ProcessPoolSpec
+from distconform.harness import Outcome
+from distconform.harness.controller.pools import PoolManager, PoolStartFailure
+from distconform.harness.controller.process.pool import ProcessPool, ProcessPoolSpec
 from tests.harness import rank_bodies
 from tests.harness.conftest import KEY4, task_for
 
@@ -81,7 +81,7 @@ def test_every_test_starts_with_the_same_rng_state_on_every_rank(pools):
 
 
 def test_a_changed_environment_gets_a_new_pool(monkeypatch):
-    from harness.controller.pools import env_fingerprint
+    from distconform.harness.controller.pools import env_fingerprint
 
     before = env_fingerprint()
     monkeypatch.setenv("DISTCONFORM_POOL_KEY_PROBE", "1")
@@ -215,7 +215,10 @@ def test_the_pytest_process_runs_and_reports_tests_without_importing_dtensor(pyt
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
     result.assert_outcomes(passed=1, failed=1)
     modules = set((pytester.path / "parent_modules.txt").read_text().split())
-    assert "harness.controller.process.pool" in modules and "harness.comm.flight_files" in modules
+    assert (
+        "distconform.harness.controller.process.pool" in modules
+        and "distconform.harness.comm.flight_files" in modules
+    )
     assert "torch.distributed.tensor" not in modules
 
 
@@ -225,7 +228,10 @@ def test_the_plugins_load_without_torch():
     import subprocess
     import sys
 
-    code = "import sys, harness.plugin, conformance.plugin; print('torch' in sys.modules)"
+    code = (
+        "import sys, distconform.harness.plugin, distconform.conformance.plugin; "
+        "print('torch' in sys.modules)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False", out.stderr
 
@@ -237,7 +243,7 @@ def test_the_fork_server_starts_at_configure_when_the_last_session_had_distribut
         """
         import pytest
 
-        from harness.controller.process.spawning import shared_zygote
+        from distconform.harness.controller.process.spawning import shared_zygote
 
 
         @pytest.hookimpl(trylast=True)
@@ -277,7 +283,7 @@ def test_adoption_starts_the_fork_server_at_configure_before_pytest_imports_torc
 
         import pytest
 
-        from harness.controller.process.spawning import shared_zygote
+        from distconform.harness.controller.process.spawning import shared_zygote
 
 
         @pytest.hookimpl(hookwrapper=True)

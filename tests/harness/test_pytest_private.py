@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from harness import _pytest_private
+from distconform.harness import _pytest_private
 
 
 def test_the_installed_pytest_is_audited():
@@ -63,7 +63,7 @@ def _write_pytest_pyc(source_path, code):
 
 
 def test_ranks_reuse_the_rewritten_code_pytest_cached_while_the_source_is_unchanged(tmp_path):
-    from harness.shared.rewritten_imports import _RewritingLoader
+    from distconform.harness.shared.rewritten_imports import _RewritingLoader
 
     source = tmp_path / "test_cached.py"
     source.write_text("ORIGIN = 'source'\n")

@@ -5,14 +5,14 @@ from __future__ import annotations
 import sys
 import types
 
-from harness.adopt.rank import run_adopted_method
-from harness.shared.task import pack_call
+from distconform.harness.adopt.rank import run_adopted_method
+from distconform.harness.shared.task import pack_call
 
 
 def test_the_harnesss_modules_come_before_the_tests(monkeypatch, tmp_path):
     # A test module whose name sorts before "harness": the rank must still import the
     # harness's rank-side module first, which prepares what the test module binds on import
-    # (harness.adopt.rank serves init_process_group).
+    # (distconform.harness.adopt.rank serves init_process_group).
     module = types.ModuleType("aaa_test_module")
     module.__file__ = str(tmp_path / "aaa_test_module.py")
 
@@ -25,7 +25,7 @@ def test_the_harnesss_modules_come_before_the_tests(monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, module.__name__, module)
     _, refs = pack_call(run_adopted_method, (Case, "test_x", "/tmp/store"), {})
     names = [ref.name for ref in refs]
-    assert "aaa_test_module" in names and "harness.adopt.rank" in names
-    assert names.index("harness.adopt.rank") < names.index("aaa_test_module"), names
+    assert "aaa_test_module" in names and "distconform.harness.adopt.rank" in names
+    assert names.index("distconform.harness.adopt.rank") < names.index("aaa_test_module"), names
     first_other = next(i for i, name in enumerate(names) if name.split(".")[0] != "harness")
     assert all(name.split(".")[0] != "harness" for name in names[first_other:]), names

@@ -11,10 +11,10 @@ from pathlib import Path
 import psutil
 import pytest
 
-from harness import Outcome
-from harness.controller.dispatch import make_pool
-from harness.controller.failure_report import verdict_headline
-from harness.controller.pools import PoolKey, PoolManager
+from distconform.harness import Outcome
+from distconform.harness.controller.dispatch import make_pool
+from distconform.harness.controller.failure_report import verdict_headline
+from distconform.harness.controller.pools import PoolKey, PoolManager
 from tests.harness import rank_bodies
 from tests.harness.conftest import task_for
 

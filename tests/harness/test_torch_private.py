@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from harness import _torch_private
+from distconform.harness import _torch_private
 from tests.audited_access import audit_tests
 
 #: A call of each accessor; every one must be refused before it touches anything.
@@ -77,7 +77,7 @@ def test_registered_group_name_is_the_name_c10d_gave_the_group(rank_ctx):
 
 
 def test_a_group_without_its_own_name_is_named_from_the_registry(monkeypatch):
-    from harness.comm import records
+    from distconform.harness.comm import records
 
     nameless = dist.ProcessGroup(0, 1)  # what a vendor's Python backend hands c10d
     with pytest.raises(RuntimeError, match="name not set"):

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from harness import torch_window
-from harness.torch_window import (
+from distconform.harness import torch_window
+from distconform.harness.torch_window import (
     SUPPORTED_TORCH,
     V2_11,
     V2_12,

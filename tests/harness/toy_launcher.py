@@ -1,16 +1,15 @@
 """A launcher in one module, registered at import (``-p tests.harness.toy_launcher``): rank
 processes that carry a mark in their environment, and a reproduce command of their own.
 
-It implements ``harness.controller.launcher_registry.Launcher`` with the harness's process
-pool, which
-is what a vendor's launcher (ranks on another scheduler, say) would replace.
+It implements ``distconform.harness.controller.launcher_registry.Launcher`` with the harness's
+process pool, which is what a vendor's launcher (ranks on another scheduler, say) would replace.
 """
 
 from __future__ import annotations
 
-from harness.controller.config import device_backend
-from harness.controller.launcher_registry import Echo, register
-from harness.controller.pools import PoolKey, RankPool
+from distconform.harness.controller.config import device_backend
+from distconform.harness.controller.launcher_registry import Echo, register
+from distconform.harness.controller.pools import PoolKey, RankPool
 
 NAME = "toy"
 #: Every rank this launcher starts has it in its environment.
@@ -27,7 +26,7 @@ class ToyLauncher:
         return device_backend(backend, device_type)
 
     def make_pool(self, key: PoolKey, echo: Echo) -> RankPool:
-        from harness.controller.process.pool import (  # as the process launcher
+        from distconform.harness.controller.process.pool import (  # as the process launcher
             ProcessPool,
             ProcessPoolSpec,
         )

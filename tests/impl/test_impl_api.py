@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from torch import nn
 
-from impl.api import (
+from distconform.impl.api import (
     ENV_VAR,
     KNOWN_CAPABILITIES,
     Implementation,
@@ -22,7 +22,9 @@ from impl.api import (
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.parametrize("spec", ["reference", "torch", "impl.reference:ReferenceImplementation"])
+@pytest.mark.parametrize(
+    "spec", ["reference", "torch", "distconform.impl.reference:ReferenceImplementation"]
+)
 def test_loads_and_pickles_by_name(spec):
     impl = load_implementation(spec)
     assert isinstance(impl, Implementation)
@@ -57,9 +59,17 @@ def test_default_spec_follows_the_environment(monkeypatch):
     [
         ("no such thing", ValueError, "bad implementation spec"),
         ("acme_unregistered", ValueError, r"unknown implementation .*\(reference, torch"),
-        ("impl.reference:not_a_factory", ValueError, "has no factory"),
-        ("impl.sharding_that_does_not_exist", ImportError, "sharding_that_does_not_exist"),
-        ("impl.reference.policies:OffloadPolicy", TypeError, "not an impl.api.Implementation"),
+        ("distconform.impl.reference:not_a_factory", ValueError, "has no factory"),
+        (
+            "distconform.impl.sharding_that_does_not_exist",
+            ImportError,
+            "sharding_that_does_not_exist",
+        ),
+        (
+            "distconform.impl.reference.policies:OffloadPolicy",
+            TypeError,
+            "not a distconform.impl.api.Implementation",
+        ),
     ],
 )
 def test_bad_specs_fail_clearly(spec, error, message):
@@ -76,7 +86,7 @@ def test_supports_rejects_unknown_capability_names():
 
 
 def test_an_implementation_not_loaded_by_name_refuses_to_pickle():
-    from impl.reference import ReferenceImplementation
+    from distconform.impl.reference import ReferenceImplementation
 
     with pytest.raises(TypeError, match="load_implementation"):
         pickle.dumps(ReferenceImplementation())
@@ -84,14 +94,15 @@ def test_an_implementation_not_loaded_by_name_refuses_to_pickle():
 
 def test_impl_does_not_import_pytest():
     code = (
-        "import sys, impl.api, impl.reference, impl.torch_adapter; "
+        "import sys, distconform.impl.api, distconform.impl.reference, "
+        "distconform.impl.torch_adapter; "
         "sys.exit('pytest' in sys.modules)"
     )
     assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
 
 
 ACME_MODULE = """
-from impl.reference import ReferenceImplementation
+from distconform.impl.reference import ReferenceImplementation
 
 
 class Acme(ReferenceImplementation):
@@ -112,7 +123,14 @@ def test_an_installed_vendor_package_is_found_by_its_registered_name(tmp_path):
     (site / "acme_fsdp-0.1.dist-info" / "entry_points.txt").write_text(
         "[distconform.implementations]\nacme = acme_fsdp:Acme\n"
     )
-    command = [sys.executable, "-m", "pytest", "suites/test_world_size_1.py", "--impl", "acme"]
+    command = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "distconform/suites/test_world_size_1.py",
+        "--impl",
+        "acme",
+    ]
     command += ["-q", "-p", "no:cacheprovider", "-k", "ws1"]
 
     def run(*paths: Path) -> subprocess.CompletedProcess:

@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import Shard, distribute_tensor
 
-from harness.parity import (
+from distconform.harness.parity import (
     LossHistory,
     ParityError,
     ReferenceModel,

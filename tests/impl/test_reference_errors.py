@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from impl import reference
-from suites.models import TiedModel
+from distconform.impl import reference
+from distconform.suites.models import TiedModel
 
 
 @pytest.mark.world_size(2)

@@ -17,8 +17,8 @@ import pytest
 import torch
 from torch import nn
 
-from impl import reference
-from impl.reference.state import state_of
+from distconform.impl import reference
+from distconform.impl.reference.state import state_of
 
 
 def _train_sharded_model(rank_ctx) -> tuple[weakref.ref, weakref.ref]:

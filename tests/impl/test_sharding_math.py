@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from impl.reference.sharding import (
+from distconform.impl.reference.sharding import (
     ShardLayout,
     chunk_size,
     local_dim_offset,

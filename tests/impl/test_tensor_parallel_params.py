@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 
-from impl import reference
+from distconform.impl import reference
 
 
 def tp_linear(tp_mesh) -> nn.Module:

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from impl import _torch_private
+from distconform.impl import _torch_private
 from tests.audited_access import audit_tests
 
 MODULE = "impl/_torch_private.py"
@@ -94,7 +94,7 @@ def test_rank_threads_of_later_runs_never_get_an_earlier_runs_plans():
     and each run starts fresh threads that reuse the last run's idents in another order: a
     rank got a peer's plan ("narrow unexpectedly changed concrete size on dim 0") in
     26 of 30 runs before the runner cleared those caches after each run."""
-    from harness.threads import ThreadRunner
+    from distconform.harness.threads import ThreadRunner
 
     with ThreadRunner(4) as runner:
         for attempt in range(10):

@@ -99,9 +99,9 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.tensor import DTensor, Shard
 
-from harness import torch_api
-from impl.api import Implementation, load_implementation
-from impl.reference.policies import gradient_divide_factors
+from distconform.harness import torch_api
+from distconform.impl.api import Implementation, load_implementation
+from distconform.impl.reference.policies import gradient_divide_factors
 from tests.suites.broken_streams import STREAM_BREAKAGES
 
 

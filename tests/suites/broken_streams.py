@@ -24,7 +24,7 @@ import torch
 from torch import nn
 from torch.distributed.fsdp._fully_shard import _fsdp_collectives, _fsdp_param_group
 
-from harness.devices import current_stream_set
+from distconform.harness.devices import current_stream_set
 
 #: (method, FSDP2 function) pairs whose call does nothing in this process.
 _DROPPED: set[tuple[str, str]] = set()

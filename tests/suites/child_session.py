@@ -18,7 +18,10 @@ def run_one_item(nodeid: str, options: list[str], report: Path, timeout: float) 
     """
     command = [sys.executable, "-m", "pytest", nodeid, *options, "-m", "slow or not slow"]
     command += ["-p", "no:cacheprovider", f"--junitxml={report}", "-q"]
-    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    # From the package folder: the suites' ids (suites/...) are paths there.
+    result = subprocess.run(
+        command, cwd=ROOT / "distconform", capture_output=True, text=True, timeout=timeout
+    )
     output = result.stdout + result.stderr
     assert report.exists(), f"no report from the child session:\n{output[-3000:]}"
     cases = ET.parse(report).getroot().findall(".//testcase")

@@ -47,9 +47,9 @@ import torch.distributed.tensor.parallel as tensor_parallel
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 
-from impl import _torch_private
-from impl.api import Implementation, load_implementation
-from suites.api_surface import value_classes
+from distconform.impl import _torch_private
+from distconform.impl.api import Implementation, load_implementation
+from distconform.suites.api_surface import value_classes
 
 #: FSDP2's names, mutated in the implementation under test rather than in torch.
 FSDP_OBJECTS = frozenset(
@@ -103,7 +103,8 @@ _NAME = re.compile(
 
 
 def value_class(value: Any) -> str:
-    """The value class (as ``suites.api_surface.value_classes`` names them) of ``value``."""
+    """The value class of ``value``, as ``distconform.suites.api_surface.value_classes``
+    names them."""
     if value is None:
         return "None"
     if isinstance(value, bool):

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from harness.torch_window import installed_torch_version
-from suites.api_coverage import (
+from distconform.harness.torch_window import installed_torch_version
+from distconform.suites.api_coverage import (
     BACKEND_COVERAGE_FILE,
     COVERAGE_FILE,
     FAMILIES,
@@ -19,8 +19,14 @@ from suites.api_coverage import (
     row_group,
     uncovered_problems,
 )
-from suites.api_surface import SURFACES, c10d_surface, public_surface, value_classes
-from suites.cases import BACKEND, BACKEND_CASES_FILE, CASES_FILE, IMPLEMENTATION, read_cases
+from distconform.suites.api_surface import SURFACES, c10d_surface, public_surface, value_classes
+from distconform.suites.cases import (
+    BACKEND,
+    BACKEND_CASES_FILE,
+    CASES_FILE,
+    IMPLEMENTATION,
+    read_cases,
+)
 
 CASES = read_cases(CASES_FILE, IMPLEMENTATION)
 BACKEND_CASES = read_cases(BACKEND_CASES_FILE, BACKEND)

@@ -10,8 +10,8 @@ import itertools
 import pytest
 import torch
 
-from suites.backend.contributions import contribution, pair_salt
-from suites.backend.oracle import reduce, unlike
+from distconform.suites.backend.contributions import contribution, pair_salt
+from distconform.suites.backend.oracle import reduce, unlike
 
 WORLD_SIZES = (2, 3, 4, 8)
 NUMEL = 37

@@ -1,4 +1,4 @@
-"""``python -m harness bench-collectives``: the nccl-tests arithmetic, the size parsing, the
+"""``python -m distconform bench-collectives``: the nccl-tests arithmetic, the size parsing, the
 command line's usage errors, and one tiny real run per launcher.
 
 Expected values are worked out by hand from nccl-tests' doc/PERFORMANCE.md (busbw factors
@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from suites.backend.bandwidth import main
-from suites.backend.bandwidth.arithmetic import (
+from distconform.suites.backend.bandwidth import main
+from distconform.suites.backend.bandwidth.arithmetic import (
     DEFAULT_OPS,
     Layout,
     algbw_gbps,
@@ -31,7 +31,7 @@ from suites.backend.bandwidth.arithmetic import (
     parse_world_sizes,
     size_ladder,
 )
-from suites.backend.bandwidth.measure import Target, make_records
+from distconform.suites.backend.bandwidth.measure import Target, make_records
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -240,7 +240,7 @@ def test_usage_errors_exit_2_without_traceback(argv, message, capsys):
 def test_help_does_not_import_torch():
     code = (
         "import sys\n"
-        "from suites.backend.bandwidth import main\n"
+        "from distconform.suites.backend.bandwidth import main\n"
         "assert main(['--help']) == 0\n"
         "assert 'torch' not in sys.modules, 'torch was imported'\n"
     )

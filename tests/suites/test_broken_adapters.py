@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import pytest
 
-from impl.torch_adapter import TorchImplementation
+from distconform.impl.torch_adapter import TorchImplementation
 from tests.suites.child_session import failure_text, run_one_item
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from suites.backend.declaration import DECLARATIONS_DIR
+from distconform.suites.backend.declaration import DECLARATIONS_DIR
 from tests.suites.child_session import failure_text, run_one_item
 
 SUITE = "suites/backend"

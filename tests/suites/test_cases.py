@@ -21,9 +21,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from harness.controller.session import WORLD_SIZE_PARAM, world_size_of
-from impl.api import KNOWN_CAPABILITIES
-from suites.cases import CASE_MARKER, apply_case_table, load_cases, parse_cases
+from distconform.harness.controller.session import WORLD_SIZE_PARAM, world_size_of
+from distconform.impl.api import KNOWN_CAPABILITIES
+from distconform.suites.cases import CASE_MARKER, apply_case_table, load_cases, parse_cases
 
 ROOT = Path(__file__).resolve().parents[2]
 TP_ATTENTION_CPU = "CPU: no sharding strategy for CPU attention on TP activations in torch 2.13"
@@ -240,7 +240,7 @@ def test_bare_token_keys_parse_and_are_validated():
 # --- the real composition modules, collected in a child pytest -------------------------------
 
 NO_CAPABILITIES = """
-from impl.api import load_implementation
+from distconform.impl.api import load_implementation
 
 
 def make():
@@ -284,7 +284,7 @@ def test_composition_modules_collect_cpu_and_unsupported_skips(tmp_path):
             sys.executable,
             "-m",
             "pytest",
-            "suites/composition",
+            "distconform/suites/composition",
             "--collect-only",
             "-q",
             "-p",

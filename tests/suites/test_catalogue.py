@@ -1,5 +1,5 @@
-"""The case catalogue (``docs/cases.md``, ``python -m suites.catalogue``) and the descriptions
-of the case table it is rendered from.
+"""The case catalogue (``docs/cases.md``, ``python -m distconform.suites.catalogue``) and the
+descriptions of the case table it is rendered from.
 
 The committed catalogue must be what the table renders to now; a stale copy, and a table row
 without a description, make ``--check`` fail (shown on copies in a temporary directory).
@@ -11,8 +11,14 @@ import re
 
 import pytest
 
-from suites.cases import BACKEND, BACKEND_CASES_FILE, CASES_FILE, load_cases, parse_cases
-from suites.catalogue import (
+from distconform.suites.cases import (
+    BACKEND,
+    BACKEND_CASES_FILE,
+    CASES_FILE,
+    load_cases,
+    parse_cases,
+)
+from distconform.suites.catalogue import (
     BACKEND_CATALOGUE_FILE,
     CATALOGUE_FILE,
     COMMAND,

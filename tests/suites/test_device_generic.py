@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import textwrap
 
-from suites.cases import conformance
+from distconform.suites.cases import conformance
 
 CASE = "fsdp.world_size_1"  # one rank: the cheapest pool
 
@@ -29,7 +29,7 @@ def test_a_case_that_leaves_a_tensor_off_the_rank_device_fails_on_cpu(pytester):
         test_off_device=textwrap.dedent(
             f"""
             import torch
-            from suites.cases import conformance
+            from distconform.suites.cases import conformance
 
             @conformance({CASE!r})
             def test_forgets_the_device(rank_ctx):

@@ -24,11 +24,11 @@ from pathlib import Path
 
 import pytest
 
-from impl.torch_adapter import TorchImplementation
-from suites.api_coverage import FAMILIES, ApiRow, read_coverage, row_group
-from suites.api_surface import SURFACES
-from suites.cases import CASES_FILE, IMPLEMENTATION, Case, read_cases
-from suites.catalogue import SUITES_DIR, conformance_functions
+from distconform.impl.torch_adapter import TorchImplementation
+from distconform.suites.api_coverage import FAMILIES, ApiRow, read_coverage, row_group
+from distconform.suites.api_surface import SURFACES
+from distconform.suites.cases import CASES_FILE, IMPLEMENTATION, Case, read_cases
+from distconform.suites.catalogue import SUITES_DIR, conformance_functions
 from tests.suites.parameter_mutants import (
     TORCH_MODULES,
     Mutant,

@@ -12,8 +12,8 @@ from __future__ import annotations
 import re
 from collections import defaultdict
 
-from suites.cases import CASES_FILE, IMPLEMENTATION, read_cases
-from suites.catalogue import SUITES_DIR, conformance_functions
+from distconform.suites.cases import CASES_FILE, IMPLEMENTATION, read_cases
+from distconform.suites.catalogue import SUITES_DIR, conformance_functions
 from tests.suites.test_broken_adapters import ROWS
 
 CASES = read_cases(CASES_FILE, IMPLEMENTATION)

@@ -7,8 +7,8 @@ import pytest
 import torch
 from torch import nn
 
-from harness.parity import ParityError
-from suites.reordered_sums import AdamDrift, longest_reduction, reordered_sum_bound
+from distconform.harness.parity import ParityError
+from distconform.suites.reordered_sums import AdamDrift, longest_reduction, reordered_sum_bound
 
 
 @pytest.mark.parametrize("length", [16, 256, 4096, 65536])

@@ -16,10 +16,10 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
-from harness.comm import CollectiveCall
-from suites.models import WidthStack
-from suites.schedule.check import StepRecord, mismatches
-from suites.schedule.oracle import (
+from distconform.harness.comm import CollectiveCall
+from distconform.suites.models import WidthStack
+from distconform.suites.schedule.check import StepRecord, mismatches
+from distconform.suites.schedule.oracle import (
     BACKWARD_COMPUTE,
     BACKWARD_ENTER,
     FLAG,
@@ -30,7 +30,7 @@ from suites.schedule.oracle import (
     ExpectedCall,
     Oracle,
 )
-from suites.schedule.plan import ShardingPlan
+from distconform.suites.schedule.plan import ShardingPlan
 
 
 class RecordingImplementation:

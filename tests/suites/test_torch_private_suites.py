@@ -10,12 +10,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from harness.torch_window import (
+from distconform.harness.torch_window import (
     SUPPORTED_TORCH,
     V2_13,
     installed_torch_version,
 )
-from suites import _torch_private
+from distconform.suites import _torch_private
 from tests.audited_access import audit_tests
 
 MODULE = "suites/_torch_private.py"

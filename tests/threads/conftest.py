@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from harness.threads import ThreadRunner
+from distconform.harness.threads import ThreadRunner
 
 
 class Runners:

@@ -16,9 +16,9 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
-from harness import _torch_private
-from harness.shared.outcomes import Outcome
-from harness.threads import RunnerUnusableError, ThreadRunner, run_threaded
+from distconform.harness import _torch_private
+from distconform.harness.shared.outcomes import Outcome
+from distconform.harness.threads import RunnerUnusableError, ThreadRunner, run_threaded
 
 
 def _hang_outside_collectives(release: threading.Event) -> None:

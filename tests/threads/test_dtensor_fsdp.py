@@ -16,7 +16,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
-from harness.threads import add_collective_listener
+from distconform.harness.threads import add_collective_listener
 
 
 def _exact(actual: torch.Tensor, expected: torch.Tensor) -> None:

@@ -13,9 +13,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from harness import torch_api
-from harness.controller.run_function import run_on_ranks
-from harness.threads import run_threaded
+from distconform.harness import torch_api
+from distconform.harness.controller.run_function import run_on_ranks
+from distconform.harness.threads import run_threaded
 
 pytestmark = pytest.mark.slow
 

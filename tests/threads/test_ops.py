@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from harness import torch_api
+from distconform.harness import torch_api
 
 WORLD_SIZES = (2, 3, 4, 8)
 pytestmark = pytest.mark.parametrize("ws", WORLD_SIZES, ids=lambda ws: f"ws{ws}")

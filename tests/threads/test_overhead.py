@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from harness.threads import ThreadRunner
+from distconform.harness.threads import ThreadRunner
 
 pytestmark = pytest.mark.slow
 

@@ -1,4 +1,4 @@
-"""ThreadPool: the runner behind harness.controller.pools' RankPool interface, fed real
+"""ThreadPool: the runner behind distconform.harness.controller.pools' RankPool interface, fed real
 RankTasks."""
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from harness import get_rank_context
-from harness.rank.thread_ranks import ThreadPool
-from harness.shared.outcomes import Outcome
-from harness.shared.task import RankTask, pack_call
+from distconform.harness import get_rank_context
+from distconform.harness.rank.thread_ranks import ThreadPool
+from distconform.harness.shared.outcomes import Outcome
+from distconform.harness.shared.task import RankTask, pack_call
 
 _release = threading.Event()
 

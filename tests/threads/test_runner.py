@@ -11,9 +11,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from harness import _torch_private, torch_api
-from harness.shared.outcomes import Outcome, RunFailedError
-from harness.threads import (
+from distconform.harness import _torch_private, torch_api
+from distconform.harness.shared.outcomes import Outcome, RunFailedError
+from distconform.harness.threads import (
     CollectiveDeadlockError,
     CollectiveMismatchError,
     RankAbortedError,

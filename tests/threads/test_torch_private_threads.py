@@ -11,9 +11,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from harness import _torch_private
-from harness.threads import ThreadRunner
-from harness.torch_window import (
+from distconform.harness import _torch_private
+from distconform.harness.threads import ThreadRunner
+from distconform.harness.torch_window import (
     SUPPORTED_TORCH,
     V2_14,
     V2_15,
@@ -172,6 +172,6 @@ RENAMED_GROUP_METHODS = {
 
 @pytest.mark.parametrize(("older", "newer"), RENAMED_GROUP_METHODS.items())
 def test_the_threaded_backend_answers_the_names_of_every_release(older, newer):
-    from harness.threads.backend import ThreadedProcessGroup
+    from distconform.harness.threads.backend import ThreadedProcessGroup
 
     assert getattr(ThreadedProcessGroup, older) is getattr(ThreadedProcessGroup, newer)

@@ -1,0 +1,600 @@
+"""The conformance report: one status per test, counted per feature and world size.
+
+Statuses (a test has exactly one):
+
+- ``PASS``: it ran and passed.
+- ``FAIL``: it failed, or errored in setup or teardown.
+- ``XFAIL``: it failed and the implementation's expectations file lists it.
+- ``XPASS``: it is listed there but passed (the entry is out of date; it still counts as
+  conformant).
+- ``UNSUPPORTED``: it needs a capability the implementation does not declare (a skip whose
+  reason starts with ``UNSUPPORTED:``); it never ran, so it is neither PASS nor FAIL.
+- ``SKIP``: any other skip, e.g. ``CPU:`` for cases that cannot run on this device.
+
+Conformance = (PASS + XPASS) / (PASS + XPASS + FAIL + XFAIL): the share of the cases that
+apply to this implementation on this device and that behave as specified. UNSUPPORTED and
+SKIP are reported next to it, never hidden in it.
+
+Profiles (from the ``pytest_distconform_conformance_profiles`` hook) come first: since an
+UNSUPPORTED case never lowers that share, a capability left undeclared would otherwise
+buy 100 %. A test tied to a case carries its case and the capabilities it needs as user
+properties; each profile counts its tests, and a required profile whose capabilities the
+implementation does not all declare gets no percentage. The headline opens with the
+verdicts (:mod:`distconform.conformance.verdict`): the run's, then each profile's.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import re
+import sys
+from collections import Counter, defaultdict
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from distconform.conformance.expectations import Entry, Expectations
+from distconform.conformance.statuses import (
+    APPLIED_STATUSES,
+    PASS_RATE_DEFINITION,
+    SCHEMA,
+    STATUSES,
+    RunState,
+    conformance_percent,
+    percent_text,
+    plural,
+)
+from distconform.conformance.verdict import Verdict, profile_verdict, run_verdict
+from distconform.harness.controller.session import (
+    RANK_OUTCOMES_PROPERTY,
+    REPRODUCE_PROPERTY,
+    SETTINGS_KEY,
+    world_size_of,
+)
+from distconform.harness.shared.backend_plugins import ENV_VAR as BACKEND_PLUGINS_VAR
+from distconform.suites.cases import (
+    BACKEND,
+    CAPABILITIES_PROPERTY,
+    CASE_PROPERTY,
+    IMPLEMENTATION,
+    MISSING_DEPENDENCY_PREFIX,
+    SUBJECT_PROPERTY,
+    UNSUPPORTED_PREFIX,
+    Profile,
+)
+
+SCHEMA_VERSION = 6
+_MAX_DETAIL_CHARS = 4000
+
+
+@dataclass
+class TestResult:
+    nodeid: str
+    feature: str
+    world_size: int | None
+    status: str = "PASS"
+    when: str = "call"
+    duration_s: float = 0.0
+    reason: str = ""
+    message: str = ""
+    detail: str = ""
+    category: str = ""
+    link: str = ""
+    #: The case-table row this test stands for (None: not a conformance case).
+    case: str | None = None
+    #: The capabilities it needs (sorted; empty when it needs none or is no case).
+    capabilities: list[str] = field(default_factory=list)
+    #: Whose capabilities those are: the implementation's or the backend's (None: no case).
+    subject: str | None = None
+    #: Each rank's outcome (``{"rank": 0, "outcome": "failed"}``), for a distributed test.
+    ranks: list[dict[str, Any]] = field(default_factory=list)
+    #: The command that reproduces a distributed test that did not pass (else empty).
+    reproduce: str = ""
+
+
+def feature_of(item: pytest.Item) -> str:
+    """The ``feature`` marker, else the module path without its top directory and ``test_``."""
+    marker = item.get_closest_marker("feature")
+    if marker is not None and marker.args:
+        return str(marker.args[0])
+    return feature_from_nodeid(item.nodeid)
+
+
+def feature_from_nodeid(nodeid: str) -> str:
+    parts = nodeid.split("::", 1)[0].split("/")
+    if len(parts) > 1:
+        parts = parts[1:]
+    stem = parts[-1].removesuffix(".py")
+    parts[-1] = stem.removeprefix("test_")
+    return "/".join(parts)
+
+
+_WORLD_SIZE_ID = re.compile(r"\[(?:[^\]]*-)?ws(\d+)(?:-|\])")
+
+
+def world_size_from_nodeid(nodeid: str) -> int | None:
+    """The ``wsN`` part of a parametrized id (for reports from pytest-xdist workers)."""
+    found = _WORLD_SIZE_ID.search(nodeid)
+    return int(found.group(1)) if found else None
+
+
+def _skip_reason(report: pytest.TestReport) -> str:
+    longrepr = report.longrepr
+    if isinstance(longrepr, tuple) and len(longrepr) == 3:
+        text = str(longrepr[2])
+    else:
+        text = str(longrepr or "")
+    return text.removeprefix("Skipped: ").strip()
+
+
+def _crash_message(report: pytest.TestReport) -> str:
+    """One line: the exception's message (a distributed failure's root-cause line)."""
+    crash = getattr(report.longrepr, "reprcrash", None)
+    text = str(getattr(crash, "message", "") or "").strip()
+    if not text:  # a plain-text report (e.g. a pool that did not start): its first line
+        lines = [line for line in report.longreprtext.splitlines() if line.strip()]
+        text = lines[0].strip() if lines else ""
+    return text.splitlines()[0] if text else ""
+
+
+class Recorder:
+    """Turns the stream of TestReports into one TestResult per test."""
+
+    def __init__(self, expectation_of: Callable[[str], Entry | None] | None = None) -> None:
+        self.results: dict[str, TestResult] = {}
+        # Tests set up but with no outcome yet (still running, or cut short by Ctrl-C or a
+        # crash), with their set-up time: they are not results.
+        self.in_progress: dict[str, float] = {}
+        self._items: dict[str, tuple[str, int | None]] = {}
+        self._expected: dict[str, Entry] = {}
+        # For reports of items collected elsewhere (pytest-xdist workers): their entry.
+        self._expectation_of = expectation_of
+
+    def describe_item(self, item: pytest.Item) -> None:
+        self._items[item.nodeid] = (feature_of(item), world_size_of(item))
+
+    def expect(self, nodeid: str, entry: Entry) -> None:
+        self._expected[nodeid] = entry
+
+    def add(self, report: pytest.TestReport) -> None:
+        if report.outcome not in ("passed", "failed", "skipped"):
+            return  # e.g. "rerun": only the final attempt counts
+        if report.when == "setup" and report.passed:
+            self.in_progress[report.nodeid] = report.duration
+            return
+        result = self.results.get(report.nodeid)
+        if result is None:
+            # Items collected elsewhere (pytest-xdist workers) are described from their id.
+            feature, world_size = self._items.get(
+                report.nodeid,
+                (feature_from_nodeid(report.nodeid), world_size_from_nodeid(report.nodeid)),
+            )
+            result = self.results[report.nodeid] = TestResult(report.nodeid, feature, world_size)
+        _read_properties(result, report)
+        result.duration_s += self.in_progress.pop(report.nodeid, 0.0) + report.duration
+        if report.when == "teardown":
+            if report.failed and result.status != "FAIL":
+                self._fail(result, report)
+            return
+        result.when = report.when
+        entry = self._expected.get(report.nodeid)
+        wasxfail = getattr(report, "wasxfail", None)
+        if entry is None and wasxfail is not None and self._expectation_of is not None:
+            entry = self._expectation_of(report.nodeid)
+        if entry is not None:
+            result.category, result.link = entry.category, entry.link
+            wasxfail = entry.reason if wasxfail is not None else None
+        if report.failed:
+            self._fail(result, report)
+        elif report.passed:
+            result.status = "XPASS" if wasxfail is not None else "PASS"
+            result.reason = wasxfail or ""
+        elif wasxfail is not None:
+            result.status = "XFAIL"
+            result.reason = wasxfail
+            result.message = _crash_message(report)
+            result.detail = report.longreprtext[-_MAX_DETAIL_CHARS:]
+        else:
+            result.reason = _skip_reason(report)
+            unsupported = result.reason.startswith(UNSUPPORTED_PREFIX)
+            result.status = "UNSUPPORTED" if unsupported else "SKIP"
+
+    def add_collect_skip(self, report: pytest.CollectReport) -> None:
+        """A module skipped at collection for a missing package: a SKIP result that names it
+        (pytest drops such a module from the run without a test to report)."""
+        reason = _skip_reason(report)
+        if not report.skipped or not reason.startswith(MISSING_DEPENDENCY_PREFIX):
+            return
+        result = TestResult(report.nodeid, feature_from_nodeid(report.nodeid), None)
+        result.status, result.reason, result.when = "SKIP", reason, "setup"
+        self.results[report.nodeid] = result
+
+    @staticmethod
+    def _fail(result: TestResult, report: pytest.TestReport) -> None:
+        result.status = "FAIL"
+        result.when = report.when
+        result.message = _crash_message(report)
+        result.detail = report.longreprtext[-_MAX_DETAIL_CHARS:]
+
+    def build(
+        self,
+        environment: dict[str, Any],
+        stale: list[Entry],
+        profiles: Sequence[Profile] = (),
+        run: RunState | None = None,
+    ) -> ConformanceReport:
+        return ConformanceReport(
+            environment, list(self.results.values()), stale, list(profiles), run or RunState()
+        )
+
+
+def _read_properties(result: TestResult, report: pytest.TestReport) -> None:
+    properties = dict(getattr(report, "user_properties", None) or ())
+    if RANK_OUTCOMES_PROPERTY in properties:
+        result.ranks = _rank_outcomes(str(properties[RANK_OUTCOMES_PROPERTY]))
+    if REPRODUCE_PROPERTY in properties:
+        result.reproduce = str(properties[REPRODUCE_PROPERTY])
+    if CASE_PROPERTY not in properties:
+        return  # "capabilities" alone may be a project's own record_property
+    result.case = str(properties[CASE_PROPERTY])
+    result.subject = str(properties.get(SUBJECT_PROPERTY, IMPLEMENTATION))
+    needs = str(properties.get(CAPABILITIES_PROPERTY, ""))
+    result.capabilities = sorted(cap for cap in needs.split(",") if cap)
+
+
+def _rank_outcomes(text: str) -> list[dict[str, Any]]:
+    """``"0:passed 1:failed"`` as ``[{"rank": 0, "outcome": "passed"}, ...]``."""
+    ranks = []
+    for pair in text.split():
+        rank, _, outcome = pair.partition(":")
+        if rank.isdigit() and outcome:
+            ranks.append({"rank": int(rank), "outcome": outcome})
+    return ranks
+
+
+# --- profiles ------------------------------------------------------------------------------
+
+
+def profiles_from_hook(raw: Any) -> list[Profile]:
+    """The hook's dicts as Profiles; a malformed one is a ValueError naming it."""
+    if raw is None:
+        return []
+    if not isinstance(raw, list):
+        raise ValueError(f"conformance profiles must be a list of dicts, got {raw!r}")
+    profiles = []
+    for entry in raw:
+        name = entry.get("name") if isinstance(entry, dict) else None
+        capabilities = entry.get("capabilities") if isinstance(entry, dict) else None
+        if (
+            not isinstance(name, str)
+            or not name
+            or not isinstance(entry.get("required", False), bool)
+            or not isinstance(capabilities, list)
+            or not all(isinstance(cap, str) for cap in capabilities)
+        ):
+            raise ValueError(
+                f"conformance profile {entry!r}: needs name (str), required (bool) and "
+                f"capabilities (list of str)"
+            )
+        if any(profile.name == name for profile in profiles):
+            raise ValueError(f"conformance profile {name!r} is defined twice")
+        profiles.append(
+            Profile(
+                name,
+                str(entry.get("description", "")),
+                entry.get("required", False),
+                tuple(capabilities),
+                str(entry.get("subject", IMPLEMENTATION)),
+            )
+        )
+    return profiles
+
+
+def profiles_of_test(needs: Collection[str], profiles: Sequence[Profile]) -> list[Profile]:
+    """The profiles a test needing ``needs`` counts in: every required profile that covers all
+    of them, else every other profile that lists one of them."""
+    needed = set(needs)
+    covering = [p for p in profiles if p.required and needed <= set(p.capabilities)]
+    if covering:
+        return covering
+    return [p for p in profiles if not p.required and needed & set(p.capabilities)]
+
+
+_NEEDS_CAPABILITY = re.compile(r"needs capabilit(?:y|ies)\s+(.*)$")
+
+
+def _unsupported_needs(result: TestResult, declared: frozenset[str]) -> tuple[str, ...]:
+    missing = tuple(cap for cap in result.capabilities if cap not in declared)
+    if missing:
+        return missing
+    # A suite that skipped at run time for a capability its case row does not list: its reason.
+    found = _NEEDS_CAPABILITY.search(result.reason)
+    if found:
+        return tuple(sorted(cap.strip() for cap in found.group(1).split(",") if cap.strip()))
+    return ("?",)
+
+
+@dataclass
+class ProfileResult:
+    """One profile's share of a run."""
+
+    profile: Profile
+    tests: list[TestResult]
+    declared: frozenset[str]
+
+    @property
+    def missing_capabilities(self) -> list[str]:
+        """The profile's capabilities the implementation does not declare."""
+        return sorted(set(self.profile.capabilities) - self.declared)
+
+    @property
+    def withheld(self) -> bool:
+        """A required profile not fully declared: any percentage would flatter it."""
+        return self.profile.required and bool(self.missing_capabilities)
+
+    def counts(self) -> Counter:
+        return Counter(result.status for result in self.tests)
+
+    def applied(self) -> int:
+        counts = self.counts()
+        return sum(counts[status] for status in APPLIED_STATUSES)
+
+    def percent(self) -> float | None:
+        return None if self.withheld else conformance_percent(self.counts())
+
+    def unsupported(self) -> list[tuple[tuple[str, ...], list[str]]]:
+        """The UNSUPPORTED tests grouped by the capabilities they lack, largest group first."""
+        grouped: dict[tuple[str, ...], list[str]] = defaultdict(list)
+        for result in self.tests:
+            if result.status == "UNSUPPORTED":
+                grouped[_unsupported_needs(result, self.declared)].append(result.nodeid)
+        return sorted(grouped.items(), key=lambda kv: (-len(kv[1]), kv[0]))
+
+    def to_json(self) -> dict[str, Any]:
+        counts = self.counts()
+        return {
+            "name": self.profile.name,
+            "description": self.profile.description,
+            "required": self.profile.required,
+            "capabilities": list(self.profile.capabilities),
+            "declared": not self.missing_capabilities,
+            "missing_capabilities": self.missing_capabilities,
+            "cases": len(self.tests),
+            "applied": self.applied(),
+            "counts": {status: counts[status] for status in STATUSES},
+            "pass_percent": self.percent(),
+            "unsupported": [
+                {"needs": list(needs), "cases": len(nodeids), "tests": nodeids}
+                for needs, nodeids in self.unsupported()
+            ],
+        }
+
+    def line(self, *, markdown: bool = False) -> str:
+        name = f"**{self.profile.name}**" if markdown else self.profile.name
+        kind = "required" if self.profile.required else "extension"
+        total = len(self.tests)
+        applied = f"{self.applied()} of {plural(total, 'case', 'cases')} applied"
+        percent = self.percent()
+        if self.withheld:
+            applied += f", no pass rate (does not declare {', '.join(self.missing_capabilities)})"
+        elif percent is not None:
+            applied += f", pass rate {percent_text(percent)}"
+        parts = [applied]
+        skipped = self.counts()["SKIP"]
+        if skipped:
+            parts.append(f"{skipped} SKIP")
+        groups = [
+            f"{plural(len(nodeids), 'case needs', 'cases need')} {' + '.join(needs)}"
+            for needs, nodeids in self.unsupported()
+        ]
+        if groups:
+            parts.append(f"UNSUPPORTED: {', '.join(groups)}")
+        return f"{name} ({kind}): {'; '.join(parts)}"
+
+
+@dataclass
+class ConformanceReport:
+    environment: dict[str, Any]
+    tests: list[TestResult]
+    stale: list[Entry] = field(default_factory=list)
+    profiles: list[Profile] = field(default_factory=list)
+    run: RunState = field(default_factory=RunState)
+
+    @property
+    def complete(self) -> bool:
+        return self.run.complete(len(self.tests))
+
+    def incomplete_line(self) -> str | None:
+        return self.run.incomplete_line(len(self.tests))
+
+    def subjects(self) -> list[str]:
+        """Whose cases this run holds: the implementation's, the backend's, or both."""
+        present = {result.subject for result in self.tests if result.case is not None}
+        return [subject for subject in (IMPLEMENTATION, BACKEND) if subject in present]
+
+    def subject_record(self, subject: str) -> dict[str, Any]:
+        """The environment's record of the implementation or the backend under test."""
+        key = "backend_declaration" if subject == BACKEND else "implementation"
+        return self.environment.get(key) or {}
+
+    def profile_results(self) -> list[ProfileResult]:
+        """For each subject with cases in this run: every required profile, then each other
+        profile with tests; none when no test of this run is tied to a case."""
+        results = []
+        for subject in self.subjects():
+            profiles = [p for p in self.profiles if p.subject == subject]
+            declared = frozenset(self.subject_record(subject).get("capabilities") or ())
+            members: dict[str, list[TestResult]] = {profile.name: [] for profile in profiles}
+            for result in self.tests:
+                if result.case is not None and result.subject == subject:
+                    for profile in profiles_of_test(result.capabilities, profiles):
+                        members[profile.name].append(result)
+            required = [p for p in profiles if p.required]
+            others = sorted(
+                (p for p in profiles if not p.required and members[p.name]),
+                key=lambda p: p.name,
+            )
+            results += [ProfileResult(p, members[p.name], declared) for p in [*required, *others]]
+        return results
+
+    def not_run(self) -> list[TestResult]:
+        """The suite modules skipped for a missing package."""
+        return [r for r in self.tests if r.reason.startswith(MISSING_DEPENDENCY_PREFIX)]
+
+    def verdicts(self) -> tuple[Verdict, list[Verdict]]:
+        """The run's verdict and one per listed profile (:mod:`distconform.conformance.verdict`)."""
+        profiles = [
+            profile_verdict(result.to_json(), complete=self.complete)
+            for result in self.profile_results()
+        ]
+        run = run_verdict(
+            profiles, self.counts(), complete=self.complete, not_run=len(self.not_run())
+        )
+        return run, profiles
+
+    def counts(self) -> Counter:
+        return Counter(result.status for result in self.tests)
+
+    def rows(self) -> list[tuple[str, int | None, Counter]]:
+        grouped: dict[tuple[str, int | None], Counter] = defaultdict(Counter)
+        for result in self.tests:
+            grouped[(result.feature, result.world_size)][result.status] += 1
+        keys = sorted(grouped, key=lambda k: (k[0], -1 if k[1] is None else k[1]))
+        return [(feature, ws, grouped[(feature, ws)]) for feature, ws in keys]
+
+    def percent(self) -> float | None:
+        return conformance_percent(self.counts())
+
+    # --- JSON --------------------------------------------------------------------------
+
+    def to_json(self) -> dict[str, Any]:
+        counts = self.counts()
+        verdict, profile_verdicts = self.verdicts()
+        return {
+            "schema": SCHEMA,
+            "schema_version": SCHEMA_VERSION,
+            "complete": self.complete,
+            "exit_status": self.run.exit_status,
+            "stopped_because": self.run.stopped_because,
+            "tests_expected": self.run.tests_expected,
+            "tests_cut_short": self.run.tests_cut_short,
+            "environment": self.environment,
+            "summary": {
+                "tests": len(self.tests),
+                "counts": {status: counts[status] for status in STATUSES},
+                "conformance_percent": self.percent(),
+                "definition": PASS_RATE_DEFINITION,
+            },
+            "features": [
+                {
+                    "feature": feature,
+                    "world_size": ws,
+                    "counts": {status: row[status] for status in STATUSES},
+                    "conformance_percent": conformance_percent(row),
+                }
+                for feature, ws, row in self.rows()
+            ],
+            "verdict": verdict.to_json(),
+            "profiles": [
+                {**result.to_json(), "verdict": verdict.to_json()}
+                for result, verdict in zip(self.profile_results(), profile_verdicts, strict=True)
+            ],
+            "tests": [asdict(result) for result in self.tests],
+            "stale_expectations": [
+                {"id": e.pattern, "kind": e.kind, "file": str(e.source), "line": e.line}
+                for e in self.stale
+            ],
+        }
+
+
+def writable_directory(path: Path, option: str) -> Path:
+    """Prove the report can be written at ``path`` before the run, without creating it (a
+    refused run leaves nothing behind): a directory, or a path whose nearest existing folder
+    this process may write into."""
+    if path.exists() and not path.is_dir():
+        raise pytest.UsageError(
+            f"{option} {path} is a file, not a directory: name a directory for the report"
+        )
+    existing = path.absolute()
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        raise pytest.UsageError(
+            f"{option} {path}: {existing} is a file, not a directory: name a directory for "
+            f"the report"
+        )
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise pytest.UsageError(
+            f"{option} {path}: cannot write the report there ({existing} is not writable); "
+            f"name a directory you can write to"
+        )
+    return path
+
+
+def environment_of(
+    config: pytest.Config,
+    spec: str | None,
+    expectations: Expectations,
+    backend_declaration: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The report's header: what ran, against what, where and when."""
+    # Imported at the end of the run only: the report module loads with every session.
+    import torch
+
+    settings = config.stash.get(SETTINGS_KEY, None)
+    plugins = [name for name in os.environ.get(BACKEND_PLUGINS_VAR, "").split(",") if name]
+    return {
+        "torch_version": torch.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "implementation": describe_implementation(spec),
+        "backend_declaration": backend_declaration,
+        "launcher": settings.launcher if settings else None,
+        "backend": settings.backend if settings else None,
+        "device": settings.device_type if settings else None,
+        "world_sizes": list(settings.world_sizes) if settings and settings.world_sizes else None,
+        "seed": settings.seed if settings else None,
+        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "backend_plugins": plugins,
+        "expectations": ", ".join(str(path) for path in expectations.sources) or None,
+        "command": [sys.executable, "-m", "pytest", *config.invocation_params.args],
+        "stream_check": stream_check_state(settings),
+        # Set by the plugin to the JUnit file it writes beside the report (--conformance-out).
+        "junit_xml": None,
+    }
+
+
+def stream_check_state(settings: Any) -> str | None:
+    """``on``, ``off`` (--no-dist-stream-check) or ``unavailable`` (the device has no stream
+    checker); None without distributed settings."""
+    if settings is None:
+        return None
+    # Imported at the end of the run only, as torch is: the device module answers.
+    from distconform.harness.devices import stream_checker
+
+    if stream_checker(settings.device_type) is None:
+        return "unavailable"
+    return "on" if settings.stream_check else "off"
+
+
+def describe_implementation(spec: str | None) -> dict[str, Any]:
+    if spec is None:
+        return {"name": None, "spec": None, "capabilities": []}
+    # distconform.impl.api imports torch, like environment_of: only when the report is built.
+    from distconform.impl.api import load_implementation
+
+    try:
+        impl = load_implementation(spec)
+    except Exception as exc:  # the report still says what was asked for and why it failed
+        return {"name": spec, "spec": spec, "capabilities": [], "error": repr(exc)}
+    return {
+        "name": impl.name,
+        "spec": spec,
+        "class": f"{type(impl).__module__}.{type(impl).__qualname__}",
+        "capabilities": sorted(impl.capabilities),
+    }

@@ -1,0 +1,57 @@
+"""The ``--dist-adopt`` pytest plugin (entry point ``distconform-adopt``): its options, and
+the adoption plugin registered when they ask for it.
+
+This module imports nothing of torch's test package: :mod:`distconform.harness.adopt.plugin`, which
+does, is registered only in a session that sets ``--dist-adopt`` or ini ``dist_adopt``.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("distconform-adopt", "torch's own distributed tests (distconform)")
+    group.addoption(
+        "--dist-adopt",
+        action="store_true",
+        default=None,
+        help="run unittest classes written for torch's distributed test harness "
+        "(MultiProcessTestCase, MultiThreadedTestCase, FSDPTest, DTensorTestBase...) on warm "
+        "rank pools, one item per test method at the class's world_size (default: ini "
+        "dist_adopt, off)",
+    )
+    group.addoption(
+        "--dist-adopt-fsdp-on-cpu",
+        action="store_true",
+        default=False,
+        help="with --dist-adopt: run FSDPTest methods on CPU ranks, which FSDPTest's own "
+        "harness skips when there are fewer accelerators than ranks",
+    )
+    parser.addini(
+        "dist_adopt",
+        "run torch's distributed unittest classes on warm rank pools (see --dist-adopt)",
+        type="bool",
+        default=False,
+    )
+
+
+def adoption_requested(config: pytest.Config) -> bool:
+    adopt = config.getoption("dist_adopt")
+    return bool(adopt or (adopt is None and config.getini("dist_adopt")))
+
+
+@pytest.hookimpl(optionalhook=True)  # -p no:distconform leaves the hook undeclared
+def pytest_distconform_expects_ranks(config: pytest.Config) -> bool | None:
+    # A session that adopts torch's classes is there to run them on ranks.
+    return True if adoption_requested(config) else None
+
+
+@pytest.hookimpl(trylast=True)  # after distconform.harness.plugin has stored the session's settings
+def pytest_configure(config: pytest.Config) -> None:
+    if adoption_requested(config):
+        from distconform.harness.adopt import (
+            plugin as adopt_plugin,  # torch's test package, only if asked
+        )
+
+        config.pluginmanager.register(adopt_plugin, adopt_plugin.PLUGIN_NAME)

@@ -1,0 +1,2 @@
+"""Implementations under test: the bundled reference and adapters, behind
+``distconform.impl.api``."""

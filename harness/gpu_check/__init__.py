@@ -1,7 +1,0 @@
-"""``python -m harness gpu-check``: a timeboxed check of distconform on one accelerator.
-
-Read in order: :mod:`~harness.gpu_check.environment` (what the machine is),
-:mod:`~harness.gpu_check.steps` (what each step runs and how it is judged),
-:mod:`~harness.gpu_check.runner` (child processes with limits, waves, the budget),
-:mod:`~harness.gpu_check.report` (JSON and Markdown), :mod:`~harness.gpu_check.cli`.
-"""

@@ -1,1 +1,0 @@
-"""Implementations under test: the bundled reference and adapters, behind ``impl.api``."""
