@@ -6,7 +6,7 @@ runs the quick conformance selection against each, then the rest of the full run
 each quick survivor (``mutation_runner.py``), in a private copy of the repository. The
 results go to ``benchmarks/results/mutation-<date>.json`` after every mutant (running the
 same command again continues them) and the table to the terminal; ``python
-benchmarks/tables.py`` renders it into ``docs/mutation.md`` (``mutation_report.py``).
+benchmarks/tables.py`` renders it into ``docs/results/mutation.md`` (``mutation_report.py``).
 
 ``--list`` prints the mutants (or the sample) without running anything; ``--diff ID`` shows
 one; ``--mutant ID`` runs one and prints the test that kills it, for triage.

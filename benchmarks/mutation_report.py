@@ -13,7 +13,7 @@ the same command again. Each sampled mutant ends as one of:
 
 The scores count killed and timed-out mutants as caught, out of the sampled mutants that
 are not equivalent: ``quick`` those the quick stage caught, ``full`` those either caught.
-``benchmarks/tables.py`` renders ``format_table`` into ``docs/mutation.md``.
+``benchmarks/tables.py`` renders ``format_table`` into ``docs/results/mutation.md``.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ checker on, the default) and once with ``--no-dist-stream-check``, alternating w
 first, and compares the pytest session walls the runs print (the fake device's build and
 interpreter start are outside them). The table gives every pair's ratio and their median;
 ``--json`` writes the measurements (``benchmarks/results/stream_check_cost-<date>.json``,
-rendered into ``docs/benchmarks.md`` by ``benchmarks/tables.py``).
+rendered into ``docs/results/benchmarks.md`` by ``benchmarks/tables.py``).
 """
 
 from __future__ import annotations

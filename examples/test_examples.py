@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-from distconform.harness import torch_api
+from distconform.api import torch_api
 
 
 @pytest.mark.world_size(2, 4)

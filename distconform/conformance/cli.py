@@ -20,8 +20,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from distconform.harness import entry_points
-from distconform.harness.shared import backend_plugins
+from distconform.extension import add_backend_plugin_argument, program, pytest_plugin_args
 
 DEFAULT_OUT = "conformance-report"
 SUITES = ("fsdp", "backend")
@@ -32,7 +31,7 @@ PYTEST_INI = Path(__file__).resolve().parent / "pytest.ini"
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog=f"{entry_points.program()} conformance",
+        prog=f"{program()} conformance",
         description="Run the conformance suites against an implementation and report "
         "PASS / FAIL / XFAIL / XPASS / UNSUPPORTED / SKIP per feature and world size. "
         "Unknown arguments are passed to pytest.",
@@ -59,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--out", default=DEFAULT_OUT, help=f"report directory (default: {DEFAULT_OUT})"
     )
     parser.add_argument("--expectations", metavar="FILE", help="expectations file (TOML)")
-    backend_plugins.add_argument(parser)
+    add_backend_plugin_argument(parser)
     parser.add_argument(
         "--backend-declaration",
         metavar="FILE",
@@ -89,7 +88,7 @@ def pytest_args(argv: list[str]) -> list[str]:
     args = [
         "-W",
         "ignore:Module already imported so cannot be rewritten:pytest.PytestAssertRewriteWarning",
-        *entry_points.pytest_plugin_args(),  # a plain copy of the tree registers no plugin
+        *pytest_plugin_args(),  # a plain copy of the tree registers no plugin
     ]
     for name in (
         "impl",
@@ -177,10 +176,10 @@ def compare_main(argv: list[str]) -> int:
         terminal_lines,
     )
     from distconform.conformance.pages.compare import render_comparisons
-    from distconform.conformance.saved import SavedRunError, load_run
+    from distconform.conformance.report import ConformanceReport, UnreadableReportError
 
     parser = argparse.ArgumentParser(
-        prog=f"{entry_points.program()} conformance compare",
+        prog=f"{program()} conformance compare",
         description="List the tests whose outcome differs between the first report (the "
         "baseline) and each later one: new FAIL, fixed, newly UNSUPPORTED, stale "
         "expectations and the rest. Exit status 1 when a later run has a FAIL the baseline "
@@ -192,8 +191,8 @@ def compare_main(argv: list[str]) -> int:
     if len(options.reports) < 2:
         parser.error("give at least two reports: the baseline, then the runs to compare")
     try:
-        runs = [load_run(path) for path in options.reports]
-    except SavedRunError as exc:
+        runs = [ConformanceReport.load(path) for path in options.reports]
+    except UnreadableReportError as exc:
         print(f"ERROR: {exc}", file=sys.stderr)
         return USAGE_ERROR
     comparisons = compare_all(runs)
@@ -208,10 +207,10 @@ def compare_main(argv: list[str]) -> int:
 def history_main(argv: list[str]) -> int:
     from distconform.conformance.history import collect
     from distconform.conformance.pages.history import render_history
-    from distconform.conformance.saved import SavedRunError
+    from distconform.conformance.report import UnreadableReportError
 
     parser = argparse.ArgumentParser(
-        prog=f"{entry_points.program()} conformance history",
+        prog=f"{program()} conformance history",
         description="Draw a page of every conformance report under DIR over time: pass "
         "rate per implementation and per feature, and the step benchmarks "
         "(benchmarks/impl_step.py --out) found alongside.",
@@ -223,7 +222,7 @@ def history_main(argv: list[str]) -> int:
     options = parser.parse_args(argv)
     try:
         history = collect(options.directory)
-    except SavedRunError as exc:
+    except UnreadableReportError as exc:
         print(f"ERROR: {exc}", file=sys.stderr)
         return USAGE_ERROR
     out = Path(options.out) if options.out else Path(options.directory) / "history.html"

@@ -12,9 +12,8 @@ from __future__ import annotations
 
 import shlex
 from dataclasses import dataclass, field
-from typing import Any
 
-from distconform.conformance.saved import SavedRun, SavedTest
+from distconform.conformance.report import ConformanceReport, StaleExpectation, TestResult
 from distconform.conformance.statuses import percent_text
 
 NEW_FAIL = "new FAIL"
@@ -66,8 +65,8 @@ def change_kind(before: str | None, after: str | None) -> str | None:
 class Change:
     kind: str
     nodeid: str
-    before: SavedTest | None
-    after: SavedTest | None
+    before: TestResult | None
+    after: TestResult | None
 
     @property
     def before_status(self) -> str:
@@ -80,12 +79,12 @@ class Change:
 
 @dataclass
 class Comparison:
-    baseline: SavedRun
-    other: SavedRun
+    baseline: ConformanceReport
+    other: ConformanceReport
     changes: list[Change] = field(default_factory=list)
     #: Expectation entries of ``other`` that select no test, and did select one (or did not
     #: exist) in the baseline.
-    new_stale_entries: list[dict[str, Any]] = field(default_factory=list)
+    new_stale_entries: list[StaleExpectation] = field(default_factory=list)
 
     @property
     def new_failures(self) -> list[Change]:
@@ -95,10 +94,8 @@ class Comparison:
         """What differs in how the two runs were made (context for the test changes)."""
         lines = []
         before, after = self.baseline.environment, self.other.environment
-        if self.baseline.implementation != self.other.implementation:
-            lines.append(
-                f"implementation {self.baseline.implementation} -> {self.other.implementation}"
-            )
+        if self.baseline.title != self.other.title:
+            lines.append(f"implementation {self.baseline.title} -> {self.other.title}")
         for key, label in (
             ("torch_version", "torch"),
             ("launcher", "launcher"),
@@ -112,13 +109,14 @@ class Comparison:
         for run in (self.baseline, self.other):
             if not run.complete:
                 lines.append(
-                    f"{run.path}: the run is INCOMPLETE, so its missing tests show as 'not run' "
+                    f"{run.source}: the run is INCOMPLETE, so its missing tests show as 'not run' "
                     f"or 'added'"
                 )
         return lines
 
 
-def compare(baseline: SavedRun, other: SavedRun) -> Comparison:
+def compare(baseline: ConformanceReport, other: ConformanceReport) -> Comparison:
+    """The changes from ``baseline`` to ``other``, what needs action first."""
     before, after = baseline.by_nodeid(), other.by_nodeid()
     order = {kind: index for index, kind in enumerate(KINDS)}
     changes = []
@@ -128,12 +126,12 @@ def compare(baseline: SavedRun, other: SavedRun) -> Comparison:
         if kind is not None:
             changes.append(Change(kind, nodeid, old, new))
     changes.sort(key=lambda change: order[change.kind])
-    already_stale = {entry.get("id") for entry in baseline.stale_expectations()}
-    new_stale = [e for e in other.stale_expectations() if e.get("id") not in already_stale]
+    already_stale = {entry.id for entry in baseline.stale}
+    new_stale = [entry for entry in other.stale if entry.id not in already_stale]
     return Comparison(baseline, other, changes, new_stale)
 
 
-def compare_all(runs: list[SavedRun]) -> list[Comparison]:
+def compare_all(runs: list[ConformanceReport]) -> list[Comparison]:
     """The first run is the baseline; every other run is compared with it."""
     baseline, *others = runs
     return [compare(baseline, other) for other in others]
@@ -158,7 +156,7 @@ def terminal_lines(comparisons: list[Comparison]) -> list[str]:
         rows = [("change", "baseline", "this run", "test")]
         rows += [(c.kind, c.before_status, c.after_status, c.nodeid) for c in comparison.changes]
         rows += [
-            ("stale expectation", "-", "-", f"{e.get('id')} ({e.get('file')}:{e.get('line')})")
+            ("stale expectation", "-", "-", f"{e.id} ({e.file}:{e.line})")
             for e in comparison.new_stale_entries
         ]
         widths = [max(len(row[i]) for row in rows) for i in range(3)]

@@ -21,13 +21,17 @@ An xfail entry adds a non-strict ``xfail`` marker at collection: the test still 
 failure is XFAIL and a pass is XPASS (the entry is out of date). Tolerances are never
 xfails: a test asks for its tolerance through ``suites.expectations_helpers`` (the
 ``conformance_tolerance`` fixture) and keeps asserting with it.
+
+An implementation built on another (``Implementation.built_on``) also meets that one's
+recorded deviations: :func:`inherit` adds them, each entry marked with the name it comes
+from, behind the implementation's own entries.
 """
 
 from __future__ import annotations
 
 import fnmatch
 import tomllib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 CATEGORIES = ("NOT_SUPPORTED", "NUMERICS", "COMM", "ERROR_MESSAGE", "OTHER")
@@ -69,6 +73,9 @@ class Entry:
     atol: float | None = None
     #: The device types the entry holds on (empty: every one).
     devices: tuple[str, ...] = ()
+    #: The implementation whose expectations the entry comes from, when the one under test
+    #: is built on it (:func:`inherit`); None for the implementation's own entries.
+    inherited_from: str | None = None
 
     def matches(self, nodeid: str) -> bool:
         return matches(self.pattern, nodeid)
@@ -82,7 +89,8 @@ class Entry:
         return f"{self.source}:{self.line}: {self.kind} entry {self.pattern!r}"
 
     def xfail_reason(self) -> str:
-        text = f"[{self.category}] {self.reason}"
+        inherited = f"inherited from {self.inherited_from}: " if self.inherited_from else ""
+        text = f"[{self.category}] {inherited}{self.reason}"
         return f"{text} ({self.link})" if self.link else text
 
 
@@ -128,6 +136,20 @@ def combine(*parts: Expectations) -> Expectations:
         xfails=[entry for part in parts for entry in part.xfails],
         tolerances=[entry for part in parts for entry in part.tolerances],
         sources=sources,
+    )
+
+
+def inherit(own: Expectations, base: Expectations, base_name: str) -> Expectations:
+    """The expectations of an implementation built on ``base_name``: ``own`` plus ``base``'s
+    entries, each marked inherited from ``base_name``. Where both select a test, ``own``
+    wins: its xfails come first (the first matching xfail wins) and its tolerances last
+    (the last matching tolerance wins)."""
+    xfails = [replace(entry, inherited_from=base_name) for entry in base.xfails]
+    tolerances = [replace(entry, inherited_from=base_name) for entry in base.tolerances]
+    return Expectations(
+        xfails=[*own.xfails, *xfails],
+        tolerances=[*tolerances, *own.tolerances],
+        sources=[*own.sources, *base.sources],
     )
 
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from distconform.conformance.saved import SavedRun, SavedRunError, run_from_json
+from distconform.conformance.report import ConformanceReport, UnreadableReportError
 from distconform.conformance.statuses import SCHEMA
 
 _DATE_IN_NAME = re.compile(r"(\d{4}-\d{2}-\d{2})(?:[T_](\d{2})[:-]?(\d{2}))?")
@@ -45,15 +45,16 @@ class StepBenchmark:
 
 @dataclass
 class History:
-    runs: list[SavedRun] = field(default_factory=list)
+    runs: list[ConformanceReport] = field(default_factory=list)
     benchmarks: list[StepBenchmark] = field(default_factory=list)
     unreadable: list[str] = field(default_factory=list)
 
     def implementations(self) -> list[str]:
-        return sorted({run.implementation for run in self.runs})
+        """What the runs assessed, each once (:attr:`ConformanceReport.title`)."""
+        return sorted({run.title for run in self.runs})
 
-    def runs_of(self, implementation: str) -> list[SavedRun]:
-        return [run for run in self.runs if run.implementation == implementation]
+    def runs_of(self, implementation: str) -> list[ConformanceReport]:
+        return [run for run in self.runs if run.title == implementation]
 
 
 def collect(directory: str | Path) -> History:
@@ -61,7 +62,9 @@ def collect(directory: str | Path) -> History:
     or a step benchmark."""
     directory = Path(directory)
     if not directory.is_dir():
-        raise SavedRunError(f"{directory}: not a directory: give the directory of past reports")
+        raise UnreadableReportError(
+            f"{directory}: not a directory: give the directory of past reports"
+        )
     history = History()
     for path in sorted(directory.rglob("*.json")):
         try:
@@ -72,14 +75,14 @@ def collect(directory: str | Path) -> History:
             continue
         if data.get("schema") == SCHEMA:
             try:
-                history.runs.append(run_from_json(data, path))
-            except SavedRunError as exc:
+                history.runs.append(ConformanceReport.from_json(data, path))
+            except UnreadableReportError as exc:
                 history.unreadable.append(str(exc))
         else:
             benchmark = _step_benchmark(data, path)
             if benchmark is not None:
                 history.benchmarks.append(benchmark)
-    history.runs.sort(key=lambda run: (run.date, str(run.path)))
+    history.runs.sort(key=lambda run: (run.date, str(run.source)))
     history.benchmarks.sort(key=lambda b: (b.date, str(b.path)))
     return history
 

@@ -7,7 +7,8 @@ chooses the implementation (the ``impl`` fixture; the value pickles as its spec,
 implementation state crosses process boundaries). Every test tied to a case with
 ``distconform.suites.cases.conformance`` gets the table's skips, ``slow`` marks and user properties.
 Expectations are applied whenever a file is named (``--expectations``) or the implementation
-has one in ``suites/expectations/<spec>.toml``; the report is written and printed with
+has one in ``suites/expectations/<spec>.toml``; an implementation built on another
+(``Implementation.built_on``) inherits that one's as well. The report is written and printed with
 ``--conformance-out DIR`` (or ``--conformance-table`` to only print it). It is built from
 pytest's own ``TestReport`` objects, so it covers whatever was collected. Its profiles come
 from the ``pytest_distconform_conformance_profiles`` hook, which this plugin answers last
@@ -32,21 +33,24 @@ from distconform.conformance.expectations import (
     Expectations,
     ExpectationsError,
     combine,
+    inherit,
     load,
 )
 from distconform.conformance.out_lock import OutputLock
 from distconform.conformance.progress import RunTracker
 from distconform.conformance.renderers import FILE_FORMATS, junit, terminal
 from distconform.conformance.renderers.format import write_files
+from distconform.conformance.renderers.third_party import ReportFormatError, installed_formats
 from distconform.conformance.report import writable_directory
 from distconform.conformance.tolerance import Tolerance
-from distconform.harness.controller.session import (
+from distconform.extension import (
+    implementations,
+    installed_torch_version,
     prints_the_report,
     requested_launcher,
     settings_of,
     world_size_of,
 )
-from distconform.harness.torch_window import installed_torch_version
 from distconform.impl.api import ENV_VAR, Implementation, default_spec, load_implementation
 from distconform.suites.backend.declaration import (
     BackendDeclaration,
@@ -266,22 +270,56 @@ def default_expectations_path(spec: str) -> Path | None:
     return None
 
 
-def check_named_implementation(config: pytest.Config) -> None:
+def bundled_expectations(spec: str) -> Expectations:
+    """What ``--impl spec`` expects without ``--expectations``: its bundled file on the
+    installed torch (:func:`default_expectations_path`), then the release's."""
+    path = default_expectations_path(spec)
+    own = load(path) if path is not None else Expectations()
+    return combine(own, release_expectations())
+
+
+def check_named_implementation(config: pytest.Config) -> Implementation | None:
     """Load an implementation the run names (``--impl``, ``$DISTCONFORM_IMPL``) before any
-    test starts, so a misspelt spec is one error line, not an empty report."""
+    test starts, so a misspelt spec is one error line, not an empty report; None when the
+    run names none."""
     if config.getoption("impl") or os.environ.get(ENV_VAR):
-        implementation_under_test(config)
+        return implementation_under_test(config)
+    return None
+
+
+def base_implementation(implementation: Implementation | None) -> str | None:
+    """The registered implementation ``implementation`` is built on, checked; None when it
+    declares none (or the run names no implementation: the default, the reference, is
+    built on nothing, and loading it to ask would import torch into every session)."""
+    if implementation is None or implementation.built_on is None:
+        return None
+    base = implementation.built_on
+    registered = implementations()
+    if not isinstance(base, str) or base not in registered:
+        raise pytest.UsageError(
+            f"--impl {implementation.spec}: {implementation.name} is built on {base!r}, which "
+            f"is not a registered implementation ({', '.join(sorted(registered))})"
+        )
+    if base == implementation.spec:
+        raise pytest.UsageError(f"--impl {implementation.spec}: built on itself")
+    return base
 
 
 class ConformancePlugin:
     def __init__(self, config: pytest.Config) -> None:
         self.config = config
         self.spec = selected_spec(config)
+        base = base_implementation(check_named_implementation(config))
         named = config.getoption("expectations")
-        path = Path(named) if named else default_expectations_path(self.spec)
-        loaded = load(path) if path is not None else Expectations()
-        if not named:  # a vendor's own file stands alone; the bundled ones add the release's
-            loaded = combine(loaded, release_expectations())
+        if named:  # a vendor's own file stands alone: the bundled ones do not apply
+            loaded = load(Path(named))
+        elif base is None:
+            loaded = bundled_expectations(self.spec)
+        else:  # the base's bundled set below brings the release's
+            path = default_expectations_path(self.spec)
+            loaded = load(path) if path is not None else Expectations()
+        if base is not None:
+            loaded = inherit(loaded, bundled_expectations(base), base)
         self.expectations = loaded.on_device(config.getoption("device") or "cpu")
         # A pytest-xdist worker: the controller sees every report, tracks and writes.
         self.is_worker = hasattr(config, "workerinput")
@@ -289,10 +327,13 @@ class ConformancePlugin:
         rank_0 = prints_the_report(config)
         out = config.getoption("conformance_out") if rank_0 else None
         self.out_dir = writable_directory(Path(out), "--conformance-out") if out else None
+        try:  # before any test: a broken installed format must not cost a whole run
+            self.formats = FILE_FORMATS + installed_formats(FILE_FORMATS)
+        except ReportFormatError as exc:
+            raise pytest.UsageError(str(exc)) from None
         junit = getattr(config.option, "xmlpath", None)
         if junit:
             writable_directory(Path(junit).parent, "--junitxml")
-        check_named_implementation(config)
         self.reporting = self.out_dir is not None or (
             rank_0 and config.getoption("conformance_table")
         )
@@ -400,7 +441,16 @@ class ConformancePlugin:
                     tolerance.rtol, tolerance.atol, tolerance.reason, str(tolerance.source)
                 )
         for entry in self.expectations.entries:
-            if id(entry) not in used and _could_have_matched(entry, collected_files, config):
+            # An inherited entry that the implementation's own entry overrides still selects
+            # a test: overridden, not stale.
+            overridden = entry.inherited_from is not None and any(
+                entry.matches(test_id) for test_id in ids.values()
+            )
+            if (
+                id(entry) not in used
+                and not overridden
+                and _could_have_matched(entry, collected_files, config)
+            ):
                 self.stale.append(entry)
                 warnings.warn_explicit(
                     StaleExpectationWarning(
@@ -470,7 +520,7 @@ class ConformancePlugin:
 
     def _write(self, report: conformance_report.ConformanceReport) -> None:
         assert self.out_dir is not None
-        write_files(report, self.out_dir, FILE_FORMATS)
+        write_files(report, self.out_dir, self.formats)
 
     def _show_progress(self) -> None:
         reporter = self.config.pluginmanager.get_plugin("terminalreporter")

@@ -21,11 +21,19 @@ buy 100 %. A test tied to a case carries its case and the capabilities it needs 
 properties; each profile counts its tests, and a required profile whose capabilities the
 implementation does not all declare gets no percentage. The headline opens with the
 verdicts (:mod:`distconform.conformance.verdict`): the run's, then each profile's.
+
+There is one report model, :class:`ConformanceReport`, whether the session that runs builds it
+(:class:`Recorder`) or it is read back from a ``conformance.json``
+(:meth:`ConformanceReport.load`): every renderer (:mod:`distconform.conformance.renderers`) and
+every page (:mod:`distconform.conformance.pages`) takes it, so a report renders the same from
+either. The JSON holds what was recorded; every figure (counts, profiles, verdicts) is derived
+from it again on reading.
 """
 
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import platform
 import re
@@ -50,13 +58,14 @@ from distconform.conformance.statuses import (
     plural,
 )
 from distconform.conformance.verdict import Verdict, profile_verdict, run_verdict
-from distconform.harness.controller.session import (
+from distconform.extension import BACKEND_PLUGINS_ENV as BACKEND_PLUGINS_VAR
+from distconform.extension import (
     RANK_OUTCOMES_PROPERTY,
     REPRODUCE_PROPERTY,
     SETTINGS_KEY,
     world_size_of,
 )
-from distconform.harness.shared.backend_plugins import ENV_VAR as BACKEND_PLUGINS_VAR
+from distconform.suites.backend_capabilities import KNOWN_BACKEND_CAPABILITIES
 from distconform.suites.cases import (
     BACKEND,
     CAPABILITIES_PROPERTY,
@@ -68,12 +77,25 @@ from distconform.suites.cases import (
     Profile,
 )
 
-SCHEMA_VERSION = 6
+SCHEMA_VERSION = 7
+#: Every schema version :meth:`ConformanceReport.from_json` reads: a nightly job compares
+#: tonight's run with last night's, and the two may straddle an upgrade. 4 says whether the
+#: run finished, 5 adds per-rank outcomes and a reproduce command, 6 the verdicts, 7 each
+#: profile's subject and each test's inherited expectation. Fields a version lacks read as
+#: empty; the verdicts are derived again whatever the version.
+READABLE_VERSIONS = (4, 5, 6, 7)
 _MAX_DETAIL_CHARS = 4000
+
+
+class UnreadableReportError(ValueError):
+    """A file is not a conformance report this version can read (the message names it)."""
 
 
 @dataclass
 class TestResult:
+    """One test's status and what explains it, as a run records it and ``tests`` of
+    ``conformance.json`` stores it."""
+
     nodeid: str
     feature: str
     world_size: int | None
@@ -95,6 +117,86 @@ class TestResult:
     ranks: list[dict[str, Any]] = field(default_factory=list)
     #: The command that reproduces a distributed test that did not pass (else empty).
     reproduce: str = ""
+    #: The implementation whose expectations entry gave this XFAIL or XPASS, when the one
+    #: under test is built on it (``Implementation.built_on``); None for its own entries.
+    inherited_from: str | None = None
+
+    @property
+    def headline(self) -> str:
+        """What a reader sees first: the failure's message, else the skip or xfail reason."""
+        return self.message or self.reason
+
+    @property
+    def inheritance_note(self) -> str:
+        """``XFAIL (inherited from torch: <reason>)`` for a status an inherited expectations
+        entry gave; empty otherwise."""
+        if self.inherited_from is None or self.status not in ("XFAIL", "XPASS"):
+            return ""
+        return f"{self.status} (inherited from {self.inherited_from}: {self.reason})"
+
+    def to_json(self) -> dict[str, Any]:
+        """Its entry of ``tests`` (every field, by name)."""
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, raw: dict[str, Any]) -> TestResult:
+        """One entry of ``tests``; fields an older schema version lacks read as empty."""
+        status = raw["status"]
+        if status not in STATUSES:
+            raise ValueError(f"status {status!r} of {raw.get('nodeid')!r}")
+        return cls(
+            nodeid=raw["nodeid"],
+            feature=raw["feature"],
+            world_size=raw.get("world_size"),
+            status=status,
+            when=raw.get("when") or "call",
+            duration_s=float(raw.get("duration_s") or 0.0),
+            reason=raw.get("reason") or "",
+            message=raw.get("message") or "",
+            detail=raw.get("detail") or "",
+            category=raw.get("category") or "",
+            link=raw.get("link") or "",
+            case=raw.get("case"),
+            capabilities=list(raw.get("capabilities") or ()),
+            subject=raw.get("subject"),
+            ranks=[
+                {"rank": int(rank["rank"]), "outcome": str(rank["outcome"])}
+                for rank in raw.get("ranks") or ()
+            ],
+            reproduce=raw.get("reproduce") or "",
+            inherited_from=raw.get("inherited_from"),
+        )
+
+
+@dataclass(frozen=True)
+class StaleExpectation:
+    """An expectations entry that selected no collected test: out of date or misspelt."""
+
+    #: The entry's test-id pattern.
+    id: str
+    #: ``xfail`` or ``tolerance``.
+    kind: str
+    #: The expectations file and the line that writes the entry.
+    file: str
+    line: int | None
+
+    @classmethod
+    def of(cls, entry: Entry) -> StaleExpectation:
+        """The record of an entry of a loaded expectations file."""
+        return cls(entry.pattern, entry.kind, str(entry.source), entry.line)
+
+    def describe(self) -> str:
+        """Where the entry is and what it selects, as :meth:`Entry.describe` says it."""
+        return f"{self.file}:{self.line}: {self.kind} entry {self.id!r}"
+
+    def to_json(self) -> dict[str, Any]:
+        return {"id": self.id, "kind": self.kind, "file": self.file, "line": self.line}
+
+    @classmethod
+    def from_json(cls, raw: dict[str, Any]) -> StaleExpectation:
+        return cls(
+            str(raw["id"]), str(raw.get("kind") or ""), str(raw.get("file") or ""), raw.get("line")
+        )
 
 
 def feature_of(item: pytest.Item) -> str:
@@ -188,6 +290,7 @@ class Recorder:
             entry = self._expectation_of(report.nodeid)
         if entry is not None:
             result.category, result.link = entry.category, entry.link
+            result.inherited_from = entry.inherited_from
             wasxfail = entry.reason if wasxfail is not None else None
         if report.failed:
             self._fail(result, report)
@@ -224,12 +327,17 @@ class Recorder:
     def build(
         self,
         environment: dict[str, Any],
-        stale: list[Entry],
+        stale: Sequence[Entry],
         profiles: Sequence[Profile] = (),
         run: RunState | None = None,
     ) -> ConformanceReport:
+        """The report of the tests recorded so far."""
         return ConformanceReport(
-            environment, list(self.results.values()), stale, list(profiles), run or RunState()
+            environment,
+            list(self.results.values()),
+            [StaleExpectation.of(entry) for entry in stale],
+            list(profiles),
+            run or RunState(),
         )
 
 
@@ -362,6 +470,7 @@ class ProfileResult:
             "description": self.profile.description,
             "required": self.profile.required,
             "capabilities": list(self.profile.capabilities),
+            "subject": self.profile.subject,
             "declared": not self.missing_capabilities,
             "missing_capabilities": self.missing_capabilities,
             "cases": len(self.tests),
@@ -399,11 +508,17 @@ class ProfileResult:
 
 @dataclass
 class ConformanceReport:
+    """One conformance run: what ran where (``environment``), one result per test, the
+    expectations entries that selected nothing, the profiles the tests count in and whether
+    the run finished. Every figure is derived from these."""
+
     environment: dict[str, Any]
     tests: list[TestResult]
-    stale: list[Entry] = field(default_factory=list)
+    stale: list[StaleExpectation] = field(default_factory=list)
     profiles: list[Profile] = field(default_factory=list)
     run: RunState = field(default_factory=RunState)
+    #: The file it was read from; None for the report of the session that builds it.
+    source: Path | None = None
 
     @property
     def complete(self) -> bool:
@@ -421,6 +536,26 @@ class ConformanceReport:
         """The environment's record of the implementation or the backend under test."""
         key = "backend_declaration" if subject == BACKEND else "implementation"
         return self.environment.get(key) or {}
+
+    @property
+    def title(self) -> str:
+        """What the run assessed: the implementation's name, ``backend <name>``, or both."""
+        names = []
+        for subject in self.subjects() or [IMPLEMENTATION]:
+            name = self.subject_record(subject).get("name") or "?"
+            names.append(f"backend {name}" if subject == BACKEND else str(name))
+        return " and ".join(names)
+
+    @property
+    def date(self) -> str:
+        """When the run was made (ISO 8601, UTC); empty when the report does not say."""
+        return str(self.environment.get("date") or "")
+
+    @property
+    def label(self) -> str:
+        """How a page or a table of several runs names this one: title, date and file."""
+        where = self.source if self.source is not None else "this session"
+        return f"{self.title} {self.date or '(no date)'} ({where})"
 
     def profile_results(self) -> list[ProfileResult]:
         """For each subject with cases in this run: every required profile, then each other
@@ -467,12 +602,24 @@ class ConformanceReport:
         keys = sorted(grouped, key=lambda k: (k[0], -1 if k[1] is None else k[1]))
         return [(feature, ws, grouped[(feature, ws)]) for feature, ws in keys]
 
+    def counts_by_feature(self) -> dict[str, Counter]:
+        """Status counts per feature, all world sizes together."""
+        grouped: dict[str, Counter] = {}
+        for result in self.tests:
+            grouped.setdefault(result.feature, Counter())[result.status] += 1
+        return grouped
+
+    def by_nodeid(self) -> dict[str, TestResult]:
+        """Each test's result by its node id."""
+        return {result.nodeid: result for result in self.tests}
+
     def percent(self) -> float | None:
         return conformance_percent(self.counts())
 
     # --- JSON --------------------------------------------------------------------------
 
     def to_json(self) -> dict[str, Any]:
+        """The ``conformance.json`` document (``conformance.schema.json`` describes it)."""
         counts = self.counts()
         verdict, profile_verdicts = self.verdicts()
         return {
@@ -504,12 +651,80 @@ class ConformanceReport:
                 {**result.to_json(), "verdict": verdict.to_json()}
                 for result, verdict in zip(self.profile_results(), profile_verdicts, strict=True)
             ],
-            "tests": [asdict(result) for result in self.tests],
-            "stale_expectations": [
-                {"id": e.pattern, "kind": e.kind, "file": str(e.source), "line": e.line}
-                for e in self.stale
-            ],
+            "tests": [result.to_json() for result in self.tests],
+            "stale_expectations": [entry.to_json() for entry in self.stale],
         }
+
+    @classmethod
+    def from_json(cls, data: Any, source: Path | None = None) -> ConformanceReport:
+        """The report a ``conformance.json`` document holds, of any of
+        :data:`READABLE_VERSIONS`; anything else is an :class:`UnreadableReportError` that
+        names ``source`` and says what it found."""
+        where = f"{source}: " if source is not None else ""
+        if not isinstance(data, dict) or data.get("schema") != SCHEMA:
+            found = data.get("schema") if isinstance(data, dict) else type(data).__name__
+            raise UnreadableReportError(
+                f"{where}not a conformance report (schema {found!r}, expected {SCHEMA!r}): "
+                f"give the conformance.json a conformance run wrote"
+            )
+        version = data.get("schema_version")
+        if version not in READABLE_VERSIONS:
+            raise UnreadableReportError(
+                f"{where}schema version {version!r}; this distconform reads versions "
+                f"{', '.join(map(str, READABLE_VERSIONS))}: upgrade distconform to read "
+                f"newer ones"
+            )
+        try:
+            tests = [TestResult.from_json(raw) for raw in data["tests"]]
+        except (KeyError, TypeError, ValueError) as exc:
+            raise UnreadableReportError(f"{where}a test entry is malformed ({exc!r})") from None
+        try:
+            stale = [StaleExpectation.from_json(raw) for raw in data["stale_expectations"]]
+            profiles = [_profile_from_json(raw, tests) for raw in data["profiles"]]
+        except (KeyError, TypeError, ValueError) as exc:
+            raise UnreadableReportError(f"{where}malformed ({exc!r})") from None
+        run = RunState(
+            exit_status=data.get("exit_status"),
+            stopped_because=data.get("stopped_because"),
+            tests_expected=data.get("tests_expected"),
+            tests_cut_short=int(data.get("tests_cut_short") or 0),
+        )
+        return cls(data.get("environment") or {}, tests, stale, profiles, run, source)
+
+    @classmethod
+    def load(cls, path: str | Path) -> ConformanceReport:
+        """The report saved at ``path`` (see :meth:`from_json`)."""
+        path = Path(path)
+        try:
+            data = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise UnreadableReportError(f"{path}: no such file") from None
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise UnreadableReportError(f"{path}: not a readable JSON file ({exc})") from None
+        return cls.from_json(data, path)
+
+
+def _profile_from_json(raw: dict[str, Any], tests: Sequence[TestResult]) -> Profile:
+    """A profile as ``profiles`` lists it; its figures are derived again from the tests."""
+    capabilities = tuple(raw["capabilities"])
+    subject = raw.get("subject")
+    if subject is None:
+        # Schema versions before 7 do not say whose profile it is: the one subject with cases
+        # in the run, else the backend when every capability is a backend's.
+        subjects = {test.subject for test in tests if test.case is not None}
+        if len(subjects) == 1:
+            (subject,) = subjects
+        elif set(capabilities) <= KNOWN_BACKEND_CAPABILITIES:
+            subject = BACKEND
+        else:
+            subject = IMPLEMENTATION
+    return Profile(
+        str(raw["name"]),
+        str(raw.get("description") or ""),
+        bool(raw.get("required")),
+        capabilities,
+        str(subject),
+    )
 
 
 def writable_directory(path: Path, option: str) -> Path:
@@ -575,7 +790,7 @@ def stream_check_state(settings: Any) -> str | None:
     if settings is None:
         return None
     # Imported at the end of the run only, as torch is: the device module answers.
-    from distconform.harness.devices import stream_checker
+    from distconform.extension import stream_checker
 
     if stream_checker(settings.device_type) is None:
         return "unavailable"
@@ -592,9 +807,12 @@ def describe_implementation(spec: str | None) -> dict[str, Any]:
         impl = load_implementation(spec)
     except Exception as exc:  # the report still says what was asked for and why it failed
         return {"name": spec, "spec": spec, "capabilities": [], "error": repr(exc)}
-    return {
+    record = {
         "name": impl.name,
         "spec": spec,
         "class": f"{type(impl).__module__}.{type(impl).__qualname__}",
         "capabilities": sorted(impl.capabilities),
     }
+    if impl.built_on is not None:
+        record["built_on"] = impl.built_on
+    return record

@@ -1,10 +1,10 @@
 """What a conformance report's figures mean: the statuses a test can end with, the pass
 rate computed from them, and whether the figures cover the whole run.
 
-Shared by the report that is written during a run (:mod:`distconform.conformance.report`) and by
-everything that reads saved reports afterwards (:mod:`distconform.conformance.saved`,
-:mod:`distconform.conformance.compare`, :mod:`distconform.conformance.history`,
-:mod:`distconform.conformance.pages`), so each says PASS, 99.9 % and INCOMPLETE alike.
+Shared by the report (:mod:`distconform.conformance.report`) and by everything that reads
+saved reports afterwards (:mod:`distconform.conformance.compare`,
+:mod:`distconform.conformance.history`, :mod:`distconform.conformance.pages`), so each says
+PASS, 99.9 % and INCOMPLETE alike.
 """
 
 from __future__ import annotations

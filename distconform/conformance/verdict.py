@@ -2,10 +2,10 @@
 
 A pass rate alone reads as a grade: 44.9 % of a broken implementation still looks like
 progress under a green banner. The verdict says what a vendor may claim. It is computed from
-a profile's figures as ``conformance.json`` stores them, so the report that writes the run
-(:mod:`distconform.conformance.report`) and the page that reads it back
-(:mod:`distconform.conformance.pages.run`) say the same words, and a report saved before verdicts
-existed still gets one.
+a profile's figures as ``conformance.json`` stores them, by the report model
+(:meth:`distconform.conformance.report.ConformanceReport.verdicts`) that every format renders,
+so each says the same words, and a report saved before verdicts existed still gets one when
+it is read back.
 
 A profile is
 
@@ -30,7 +30,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from distconform.conformance.statuses import plural
-from distconform.suites.cases import MISSING_DEPENDENCY_PREFIX
 
 CONFORMANT = "CONFORMANT"
 NOT_CONFORMANT = "NOT CONFORMANT"
@@ -137,16 +136,3 @@ def run_verdict(
     deviations = int(counts.get("XFAIL", 0))
     detail = f"with {plural(deviations, 'recorded deviation', 'recorded deviations')}"
     return Verdict("verdict", CONFORMANT, detail if deviations else "")
-
-
-def verdicts_of_report(data: Mapping[str, Any]) -> tuple[Verdict, list[Verdict]]:
-    """The run's verdict and its profiles', from a saved ``conformance.json`` of any
-    readable schema version (older ones carry no verdict: it is computed the same way)."""
-    complete = bool(data.get("complete"))
-    profiles = [profile_verdict(p, complete=complete) for p in data.get("profiles") or ()]
-    counts = (data.get("summary") or {}).get("counts") or {}
-    not_run = sum(
-        str(test.get("reason", "")).startswith(MISSING_DEPENDENCY_PREFIX)
-        for test in data.get("tests") or ()
-    )
-    return run_verdict(profiles, counts, complete=complete, not_run=not_run), profiles

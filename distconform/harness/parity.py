@@ -55,6 +55,9 @@ def _rank() -> int:
 
 @dataclass(frozen=True)
 class Mismatch:
+    """Where two tensors differ beyond the tolerance: how many elements, the largest
+    differences, and the tolerance applied (``describe()`` says it in one line)."""
+
     what: str
     max_abs_diff: float
     max_rel_diff: float
@@ -118,6 +121,9 @@ def assert_tensors_close(
     rtol: float | None = None,
     atol: float | None = None,
 ) -> None:
+    """Raise :class:`ParityError` naming ``what``, the rank and the largest differences
+    unless ``actual`` equals ``expected`` within ``rtol``/``atol`` (None: the dtype's
+    defaults, :func:`tolerance`)."""
     mismatch = compare_tensors(what, actual, expected, rtol=rtol, atol=atol)
     if mismatch is not None:
         raise ParityError(mismatch.describe())
@@ -183,6 +189,11 @@ def assert_losses_equal(
     rtol: float | None = None,
     atol: float | None = None,
 ) -> None:
+    """:func:`assert_tensors_close` for one training step's loss against the reference's.
+
+    Raises:
+        ParityError: naming the step when the losses differ beyond the tolerance.
+    """
     assert_tensors_close(f"loss at step {step}", loss, reference_loss, rtol=rtol, atol=atol)
 
 

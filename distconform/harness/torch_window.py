@@ -33,6 +33,7 @@ SUPPORTED_TORCH: tuple[Version, ...] = (V2_11, V2_12, V2_13, V2_14, V2_15)
 
 
 def installed_torch_version() -> Version:
+    """``(major, minor)`` of the installed torch, read without importing it where possible."""
     torch = sys.modules.get("torch")
     if torch is not None:
         version = torch.__version__

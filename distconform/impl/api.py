@@ -24,7 +24,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from distconform.harness import entry_points
+from distconform.extension import IMPLEMENTATIONS_GROUP, implementations
 
 if TYPE_CHECKING:  # the pytest process loads this with the conformance plugin, before torch
     from torch import nn
@@ -33,44 +33,67 @@ if TYPE_CHECKING:  # the pytest process loads this with the conformance plugin, 
 ENV_VAR = "DISTCONFORM_IMPL"
 DEFAULT_SPEC = "reference"
 
-#: Every capability name a case may require. An implementation declares a subset.
-KNOWN_CAPABILITIES = frozenset(
-    {
-        "replicate",  # replicate(): DDP semantics on the FSDP machinery
-        "shard_placement_fn",  # Shard(dim) other than 0 via shard_placement_fn
-        "reshard_after_forward_int",  # reshard_after_forward=<int> accepted
-        "gradient_accumulation",  # set_requires_gradient_sync / set_reshard_after_backward
-        "async_unshard",  # unshard(async_op=True) / set_unshard_async_op
-        "forward_method",  # register_fsdp_forward_method
-        "hsdp",  # 2-D (replicate, shard) meshes
-        "mixed_precision",  # MixedPrecisionPolicy with dtypes
-        "cpu_offload",  # CPUOffloadPolicy
-        "prefetch",  # set_modules_to_forward_prefetch / backward_prefetch
-        "post_optim_event",  # set_post_optim_event with real device events
-        "share_comm_ctx",  # share_comm_ctx
-        "tp",  # composition with tensor parallel DTensor parameters
-        "pp",  # composition with pipeline schedules
-        "dcp",  # distributed checkpoint state dicts
-        "activation_checkpointing",  # composition with activation checkpointing
-        "ignored_params",  # fully_shard(ignored_params=...): left unsharded and unsynchronized
-        "reset_iter_state",  # FSDPModule.reset_iter_state() after an exception mid-step
-        "all_reduce_hook",  # FSDPModule.set_all_reduce_hook: a hook on each reduced gradient
-        # FSDPModule.set_custom_all_gather / set_custom_reduce_scatter: a user's collectives
-        "custom_comms",
-        # FSDPModule.set_separate_reduce_scatter_group: reduce-scatters on a group of their own
-        "separate_reduce_scatter_group",
-        # FSDPModule.set_reduce_scatter_unused_params: zeros for parameters unused on a rank
-        "reduce_scatter_unused_params",
-        # FSDPModule.set_reduce_scatter_max_input_buffers: reduce-scatter inputs in flight
-        "reduce_scatter_max_input_buffers",
-        # fully_shard/replicate(dp_mesh_dims=DataParallelMeshDims(...)): a full SPMD mesh
-        "dp_mesh_dims",
-        # FSDPModule.set_manual_backward_finalization / finalize_backward (torch 2.15)
-        "manual_backward_finalization",
-        # FSDPModule.set_keep_unsharded_storage: the same unsharded memory on every unshard
-        "keep_unsharded_storage",
-    }
-)
+
+class Capability:
+    """The capability names, as constants: a case requires some (``suites/cases.toml``), an
+    implementation declares the subset it supports (``Implementation.capabilities``)."""
+
+    #: replicate(): DDP semantics on the FSDP machinery
+    REPLICATE = "replicate"
+    #: Shard(dim) other than 0 via shard_placement_fn
+    SHARD_PLACEMENT_FN = "shard_placement_fn"
+    #: reshard_after_forward=<int> accepted
+    RESHARD_AFTER_FORWARD_INT = "reshard_after_forward_int"
+    #: set_requires_gradient_sync / set_reshard_after_backward
+    GRADIENT_ACCUMULATION = "gradient_accumulation"
+    #: unshard(async_op=True) / set_unshard_async_op
+    ASYNC_UNSHARD = "async_unshard"
+    #: register_fsdp_forward_method
+    FORWARD_METHOD = "forward_method"
+    #: 2-D (replicate, shard) meshes
+    HSDP = "hsdp"
+    #: MixedPrecisionPolicy with dtypes
+    MIXED_PRECISION = "mixed_precision"
+    #: CPUOffloadPolicy
+    CPU_OFFLOAD = "cpu_offload"
+    #: set_modules_to_forward_prefetch / backward_prefetch
+    PREFETCH = "prefetch"
+    #: set_post_optim_event with real device events
+    POST_OPTIM_EVENT = "post_optim_event"
+    #: share_comm_ctx
+    SHARE_COMM_CTX = "share_comm_ctx"
+    #: composition with tensor parallel DTensor parameters
+    TP = "tp"
+    #: composition with pipeline schedules
+    PP = "pp"
+    #: distributed checkpoint state dicts
+    DCP = "dcp"
+    #: composition with activation checkpointing
+    ACTIVATION_CHECKPOINTING = "activation_checkpointing"
+    #: fully_shard(ignored_params=...): left unsharded and unsynchronized
+    IGNORED_PARAMS = "ignored_params"
+    #: FSDPModule.reset_iter_state() after an exception mid-step
+    RESET_ITER_STATE = "reset_iter_state"
+    #: FSDPModule.set_all_reduce_hook: a hook on each reduced gradient
+    ALL_REDUCE_HOOK = "all_reduce_hook"
+    #: FSDPModule.set_custom_all_gather / set_custom_reduce_scatter: a user's collectives
+    CUSTOM_COMMS = "custom_comms"
+    #: FSDPModule.set_separate_reduce_scatter_group: reduce-scatters on a group of their own
+    SEPARATE_REDUCE_SCATTER_GROUP = "separate_reduce_scatter_group"
+    #: FSDPModule.set_reduce_scatter_unused_params: zeros for parameters unused on a rank
+    REDUCE_SCATTER_UNUSED_PARAMS = "reduce_scatter_unused_params"
+    #: FSDPModule.set_reduce_scatter_max_input_buffers: reduce-scatter inputs in flight
+    REDUCE_SCATTER_MAX_INPUT_BUFFERS = "reduce_scatter_max_input_buffers"
+    #: fully_shard/replicate(dp_mesh_dims=DataParallelMeshDims(...)): a full SPMD mesh
+    DP_MESH_DIMS = "dp_mesh_dims"
+    #: FSDPModule.set_manual_backward_finalization / finalize_backward (torch 2.15)
+    MANUAL_BACKWARD_FINALIZATION = "manual_backward_finalization"
+    #: FSDPModule.set_keep_unsharded_storage: the same unsharded memory on every unshard
+    KEEP_UNSHARDED_STORAGE = "keep_unsharded_storage"
+
+
+#: Every capability name (:class:`Capability`'s values).
+KNOWN_CAPABILITIES = frozenset(value for name, value in vars(Capability).items() if name.isupper())
 
 
 class Implementation(ABC):
@@ -89,6 +112,12 @@ class Implementation(ABC):
     DataParallelMeshDims: type | None = None
     #: ``isinstance(module, impl.FSDPModule)`` is true for every managed module.
     FSDPModule: type
+
+    #: The registered implementation this one is built on (``"torch"`` for a wrapper of
+    #: torch's FSDP2), or None. A conformance run inherits that implementation's recorded
+    #: deviations (its expectations on the installed torch), each marked inherited in the
+    #: report; this implementation's own expectations win where both list a test.
+    built_on: str | None = None
 
     #: The spec this object was loaded from; set by ``load_implementation``.
     spec: str = ""
@@ -190,7 +219,7 @@ def load_implementation(spec: str | None = None) -> Implementation:
         impl = _build(spec)
         if not isinstance(impl, Implementation):
             raise TypeError(
-                f"implementation spec {spec!r} produced a {type(impl).__name__}, not an "
+                f"implementation spec {spec!r} produced a {type(impl).__name__}, not a "
                 f"distconform.impl.api.Implementation"
             )
         unknown = impl.capabilities - KNOWN_CAPABILITIES
@@ -204,17 +233,17 @@ def load_implementation(spec: str | None = None) -> Implementation:
 
 
 def _build(spec: str) -> Any:
-    registered = entry_points.implementations()
+    registered = implementations()
     if spec in registered:
         return _call(
             registered[spec].load(),
             f"{spec} ({registered[spec].value})",
-            f"the entry point {spec!r} of {entry_points.IMPLEMENTATIONS_GROUP!r}",
+            f"the entry point {spec!r} of {IMPLEMENTATIONS_GROUP!r}",
         )
     module_name, _, factory_name = spec.partition(":")
     expected = (
         f"expected a registered name ({', '.join(sorted(registered)) or 'none'}: the entry "
-        f"points of {entry_points.IMPLEMENTATIONS_GROUP!r}) or 'package.module[:factory]'"
+        f"points of {IMPLEMENTATIONS_GROUP!r}) or 'package.module[:factory]'"
     )
     if not module_name or any(not part.isidentifier() for part in module_name.split(".")):
         raise ValueError(f"bad implementation spec {spec!r}: {expected}")

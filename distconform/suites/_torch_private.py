@@ -16,8 +16,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from distconform.extension import TorchVersion as Version
 from distconform.harness import torch_window
-from distconform.harness.torch_window import V2_11, V2_12, V2_13, V2_14, V2_15, Audit, Version
+from distconform.harness.torch_window import V2_11, V2_12, V2_13, V2_14, V2_15, Audit
 from distconform.harness.torch_window import PrivateTorchAccessError as PrivateTorchAccessError
 
 MODULE = "suites/_torch_private.py"

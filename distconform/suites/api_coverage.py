@@ -22,7 +22,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from distconform.harness.torch_window import SUPPORTED_TORCH, Version
+from distconform.extension import SUPPORTED_TORCH
+from distconform.extension import TorchVersion as Version
 from distconform.suites.cases import Case
 
 COVERAGE_DIR = Path(__file__).resolve().parent / "coverage"

@@ -50,7 +50,8 @@ from typing import Any
 
 import pytest
 
-from distconform.harness.controller.launcher_registry import BUILT_IN as BUILT_IN_LAUNCHERS
+from distconform.extension import BUILT_IN_LAUNCHERS
+from distconform.extension import device_type as registered_device
 from distconform.suites.backend_capabilities import KNOWN_BACKEND_CAPABILITIES
 
 CASES_FILE = Path(__file__).with_name("cases.toml")
@@ -68,8 +69,6 @@ CASE_PROPERTY = "conformance_case"
 CAPABILITIES_PROPERTY = "capabilities"
 SUBJECT_PROPERTY = "conformance_subject"
 CPU_PREFIX = "CPU:"
-FAKE_DEVICE = "fakeaccel"
-FAKE_DEVICE_PREFIX = "FAKEACCEL:"
 UNSUPPORTED_PREFIX = "UNSUPPORTED:"
 #: Starts the skip reason of a suite module that cannot be imported for want of a package:
 #: the conformance report names it in the headline, and the run's verdict is INCOMPLETE.
@@ -116,9 +115,6 @@ class Case:
     requires: tuple[str, ...]
     param_requires: dict[str, tuple[str, ...]] = field(default_factory=dict)
     cpu_skip: dict[str, str] = field(default_factory=dict)
-    #: Grid values the fake accelerator cannot run, with "FAKEACCEL: <why>" (its ops are the
-    #: CPU's behind a device of its own; what needs a real device's kernels cannot run there).
-    fakeaccel_skip: dict[str, str] = field(default_factory=dict)
     launchers: frozenset[str] = LAUNCHERS
     fast: tuple[str, ...] | None = None
     suite: str = ""
@@ -145,9 +141,6 @@ class Case:
             if token in self.cpu_skip:
                 return self.cpu_skip[token]
         return None
-
-    def fakeaccel_skip_reason(self, tokens: Iterable[str]) -> str | None:
-        return next((self.fakeaccel_skip[t] for t in tokens if t in self.fakeaccel_skip), None)
 
     def is_fast(self, param_id: str, world_size: int | None) -> bool:
         """Whether the item belongs to the default run.
@@ -198,7 +191,6 @@ def parse_cases(
         "requires",
         "param_requires",
         "cpu_skip",
-        "fakeaccel_skip",
         "launchers",
         "fast",
         "suite",
@@ -238,13 +230,6 @@ def parse_cases(
         for token, reason in cpu_skip.items():
             if not reason.startswith(CPU_PREFIX):
                 raise ValueError(f"case {case_id!r}: cpu_skip[{token!r}] must start with 'CPU:'")
-        fakeaccel_skip = dict(row.get("fakeaccel_skip", {}))
-        for token, reason in fakeaccel_skip.items():
-            if not reason.startswith(FAKE_DEVICE_PREFIX):
-                raise ValueError(
-                    f"case {case_id!r}: fakeaccel_skip[{token!r}] must start with "
-                    f"{FAKE_DEVICE_PREFIX!r}"
-                )
         requires = _tuple(row.get("requires", []), f"{case_id}.requires")
         if known is not None:
             named = set(requires).union(*param_requires.values())
@@ -264,7 +249,6 @@ def parse_cases(
             requires=requires,
             param_requires=param_requires,
             cpu_skip=cpu_skip,
-            fakeaccel_skip=fakeaccel_skip,
             launchers=launchers,
             fast=None if fast is None else _tuple(fast, f"{case_id}.fast"),
             suite=row.get("suite", ""),
@@ -467,15 +451,14 @@ def apply_case_table(
         _record_case(item, row, tokens)
         if not row.is_fast(param_id, world_size_of(item)):
             item.add_marker(pytest.mark.slow)
-        if device_type in ("cpu", FAKE_DEVICE):
-            reason = (
-                row.cpu_skip_reason(tokens)
-                if device_type == "cpu"
-                else row.fakeaccel_skip_reason(tokens)
-            )
-            if reason is not None:
-                item.add_marker(pytest.mark.skip(reason=reason))
-                continue
+        if device_type == "cpu":
+            reason = row.cpu_skip_reason(tokens)
+        else:  # the device says what it cannot run (distconform.extension.DeviceType)
+            device = registered_device(device_type)
+            reason = device.case_skip_reason(row.case_id, tokens) if device else None
+        if reason is not None:
+            item.add_marker(pytest.mark.skip(reason=reason))
+            continue
         missing = row.missing_capabilities(tokens, capabilities)
         if missing:
             reason = f"{UNSUPPORTED_PREFIX} needs capability {', '.join(missing)}"

@@ -29,7 +29,7 @@ import math
 import torch
 from torch import nn
 
-from distconform.harness.parity import ParityError, tolerance
+from distconform.api import ParityError, tolerance
 
 #: Unit roundoff (half the distance from 1 to the next number) of each floating dtype.
 UNIT_ROUNDOFF = {

@@ -21,12 +21,7 @@ import pytest
 import torch
 from torch.distributed.tensor import DTensor
 
-from distconform.harness.parity import (
-    assert_losses_equal,
-    assert_sharded_parity,
-    average_gradients,
-    tolerance,
-)
+from distconform.api import assert_losses_equal, assert_sharded_parity, average_gradients, tolerance
 from distconform.suites.cases import conformance, grid
 from distconform.suites.models import MLP
 from distconform.suites.training import STEPS, zero_grad

@@ -22,9 +22,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from distconform.harness import torch_api
-from distconform.harness.comm import padded_numel
-from distconform.harness.parity import assert_sharded_parity
+from distconform.api import assert_sharded_parity, padded_numel, torch_api
 from distconform.suites.cases import conformance, grid
 from distconform.suites.training import sharded_mlp_stack
 

@@ -20,8 +20,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
 
-from distconform.harness.comm import CommTracer
-from distconform.harness.parity import assert_sharded_parity
+from distconform.api import CommTracer, assert_sharded_parity
 from distconform.suites.cases import conformance, grid
 from distconform.suites.models import MLPStack
 

@@ -14,7 +14,7 @@ import copy
 import torch
 from torch import nn
 
-from distconform.harness.parity import assert_losses_equal, assert_sharded_parity, average_gradients
+from distconform.api import assert_losses_equal, assert_sharded_parity, average_gradients
 from distconform.suites.cases import conformance
 from distconform.suites.training import counting
 

@@ -27,8 +27,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 
-from distconform.harness.comm import CommTracer
-from distconform.harness.parity import assert_sharded_parity, average_gradients
+from distconform.api import CommTracer, assert_sharded_parity, average_gradients
 from distconform.suites.cases import conformance, grid
 from distconform.suites.models import MLP
 from distconform.suites.schedule import ShardingPlan

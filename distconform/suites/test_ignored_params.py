@@ -16,11 +16,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from distconform.harness.parity import (
-    assert_sharded_parity,
-    assert_tensors_close,
-    average_gradients,
-)
+from distconform.api import assert_sharded_parity, assert_tensors_close, average_gradients
 from distconform.suites.cases import conformance
 from distconform.suites.schedule import ScheduleRecorder, ShardingPlan
 

@@ -17,8 +17,7 @@ import pytest
 import torch
 from torch.distributed.tensor import DTensor
 
-from distconform.harness.comm import CommTracer
-from distconform.harness.parity import assert_sharded_parity, average_gradients
+from distconform.api import CommTracer, assert_sharded_parity, average_gradients
 from distconform.suites.cases import conformance, grid
 from distconform.suites.training import sharded_mlp_stack
 

@@ -16,7 +16,7 @@ import copy
 import pytest
 import torch
 
-from distconform.harness.parity import assert_losses_equal, assert_sharded_parity, average_gradients
+from distconform.api import assert_losses_equal, assert_sharded_parity, average_gradients
 from distconform.suites.cases import conformance, grid
 from distconform.suites.models import ModelArgs, Transformer
 from distconform.suites.schedule import ScheduleRecorder, ShardingPlan

@@ -25,12 +25,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from distconform.harness.parity import (
-    assert_losses_equal,
-    assert_sharded_parity,
-    average_gradients,
-    tolerance,
-)
+from distconform.api import assert_losses_equal, assert_sharded_parity, average_gradients, tolerance
 from distconform.suites.cases import conformance, grid
 from distconform.suites.models import MLP, MLPStack
 from distconform.suites.schedule import ScheduleRecorder, ShardingPlan

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from distconform.harness.parity import (
+from distconform.api import (
     assert_losses_equal,
     assert_sharded_parity,
     assert_tensors_close,

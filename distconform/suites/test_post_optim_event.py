@@ -24,9 +24,7 @@ import functools
 import torch
 from torch import nn
 
-from distconform.harness.comm import device_sleep
-from distconform.harness.devices import event_wait_record
-from distconform.harness.parity import ReferenceModel, assert_losses_equal
+from distconform.api import ReferenceModel, assert_losses_equal, device_sleep, event_wait_record
 from distconform.suites.cases import conformance
 from distconform.suites.models import ModelArgs, Transformer
 from distconform.suites.training import adamw

@@ -23,8 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from distconform.harness.comm import CommTracer, padded_numel
-from distconform.harness.parity import assert_sharded_parity, average_gradients
+from distconform.api import CommTracer, assert_sharded_parity, average_gradients, padded_numel
 from distconform.suites.cases import conformance, grid
 from distconform.suites.models import MLPStack
 from distconform.suites.schedule import ScheduleRecorder, ShardingPlan

@@ -27,7 +27,7 @@ from torch.distributed.tensor import (
     distribute_tensor,
 )
 
-from distconform.harness import torch_api
+from distconform.api import torch_api
 from distconform.suites.cases import conformance, grid
 
 Probe = Callable[[object, object, nn.Module], None]

@@ -34,8 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from distconform.harness.comm import CollectiveCall, CommTracer
-from distconform.harness.parity import assert_sharded_parity, average_gradients
+from distconform.api import CollectiveCall, CommTracer, assert_sharded_parity, average_gradients
 from distconform.suites.cases import conformance, grid
 from distconform.suites.models import WidthStack
 from distconform.suites.schedule import ScheduleRecorder, ShardingPlan

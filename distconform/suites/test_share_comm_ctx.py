@@ -22,9 +22,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from distconform.harness.comm.intercept import Interceptor, Proceed
-from distconform.harness.comm.records import RawCall
-from distconform.harness.parity import assert_losses_equal, assert_sharded_parity, average_gradients
+from distconform.api import (
+    Interceptor,
+    Proceed,
+    RawCall,
+    assert_losses_equal,
+    assert_sharded_parity,
+    average_gradients,
+)
 from distconform.suites.cases import conformance
 from distconform.suites.models import MLP
 from distconform.suites.training import Expected, assert_counts, counting

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from distconform.harness.parity import assert_losses_equal, assert_sharded_parity, average_gradients
+from distconform.api import assert_losses_equal, assert_sharded_parity, average_gradients
 from distconform.suites.cases import conformance, grid
 from distconform.suites.models import ModelArgs, TiedModel, Transformer
 from distconform.suites.schedule import ShardingPlan

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
-from distconform.harness.parity import assert_sharded_parity
+from distconform.api import assert_sharded_parity
 from distconform.suites.cases import conformance, grid
 from distconform.suites.models import MLPStack
 from distconform.suites.schedule import ShardingPlan

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from distconform.harness.parity import assert_losses_equal, assert_sharded_parity, average_gradients
+from distconform.api import assert_losses_equal, assert_sharded_parity, average_gradients
 from distconform.suites.cases import conformance
 from distconform.suites.models import ModelArgs, Transformer
 from distconform.suites.schedule import ScheduleRecorder, ShardingPlan

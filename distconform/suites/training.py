@@ -18,13 +18,17 @@ import torch.utils.checkpoint
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from distconform.harness.comm import CommTracer, RawCall, busy_wait, device_sleep
-from distconform.harness.comm.intercept import Interceptor, Proceed
-from distconform.harness.parity import (
+from distconform.api import (
+    CommTracer,
+    Interceptor,
+    Proceed,
+    RawCall,
     ReferenceModel,
     assert_losses_equal,
     assert_sharded_parity,
     average_gradients,
+    busy_wait,
+    device_sleep,
 )
 from distconform.suites.models import MLPStack, ModelArgs, Transformer, TransformerBlock, WidthStack
 from distconform.suites.schedule import ScheduleRecorder, ShardingPlan

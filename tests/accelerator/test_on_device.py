@@ -16,9 +16,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from distconform.extension import device_type as registered_device
 from distconform.harness import torch_api
 from distconform.harness.controller.config import binds_device_id
-from distconform.harness.controller.leasing import VISIBILITY_ENV
 from distconform.harness.devices import current_stream_set
 
 pytestmark = pytest.mark.requires_accelerator
@@ -41,7 +41,8 @@ def test_each_rank_owns_the_device_the_launch_gave_it(rank_ctx):
 
 @pytest.mark.world_size(1, 2)
 def test_ranks_see_only_their_leased_devices(rank_ctx):
-    variable = VISIBILITY_ENV.get(rank_ctx.device_type)
+    registered = registered_device(rank_ctx.device_type)
+    variable = registered.visibility_variable if registered else None
     if variable is None:
         pytest.skip(f"no visibility variable is known for {rank_ctx.device_type}")
     if variable not in os.environ:

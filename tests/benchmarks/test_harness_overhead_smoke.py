@@ -2,7 +2,7 @@
 
 The numbers are not checked: a busy CI machine makes them meaningless. What is checked is
 that every generated test passed and every measured column is there, so the script
-cannot rot between the runs that fill the table in docs/benchmarks.md.
+cannot rot between the runs that fill the table in docs/results/benchmarks.md.
 """
 
 from __future__ import annotations

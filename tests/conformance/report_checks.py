@@ -17,6 +17,8 @@ import jsonschema
 from markdown_it import MarkdownIt
 
 from distconform import conformance
+from distconform.conformance.renderers import FILE_FORMATS, terminal
+from distconform.conformance.report import ConformanceReport
 
 SCHEMA_FILE = Path(conformance.__file__).parent / "conformance.schema.json"
 
@@ -119,6 +121,19 @@ def check_report_dir(out: Path) -> dict[str, Any]:
     check_html((out / "conformance.html").read_text(), report)
     check_junit((out / "conformance.junit.xml").read_text(), report)
     return report
+
+
+def check_saved_renders_as_the_run(out: Path, stdout: str) -> ConformanceReport:
+    """The report in ``out``, read back from its ``conformance.json``: it renders every file
+    the run wrote, and the terminal summary the run printed, to the same text."""
+    loaded = ConformanceReport.load(out / "conformance.json")
+    for fmt in FILE_FORMATS:
+        assert fmt.render(loaded) == (out / fmt.file_name).read_text(), fmt.name
+    # The summary: the lines after pytest's "=== conformance ===" up to the plugin's note.
+    printed = stdout.split("= conformance =", 1)[1].split("\n", 1)[1]
+    printed = printed.split("\nreport written to ", 1)[0]
+    assert terminal.FORMAT.render(loaded) == printed + "\n"
+    return loaded
 
 
 #: The JUnit element each status must give (None: a testcase with no result element).

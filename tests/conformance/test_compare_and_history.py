@@ -12,9 +12,8 @@ import pytest
 
 from distconform.conformance import cli
 from distconform.conformance.compare import KINDS, NEW_FAIL, change_kind, compare
-from distconform.conformance.report import ConformanceReport
+from distconform.conformance.report import ConformanceReport, StaleExpectation
 from distconform.conformance.report import TestResult as ResultRow
-from distconform.conformance.saved import load_run
 from distconform.conformance.statuses import STATUSES
 from tests.conformance.report_checks import PageElements, check_json
 
@@ -104,8 +103,10 @@ def test_compare_lists_the_differences_and_nothing_else(tmp_path):
         "s.py::dropped_capability[ws4]": "UNSUPPORTED",
         "s.py::new_and_failing[ws2]": "FAIL",
     }
-    baseline = load_run(write_report(tmp_path / "a.json", before, date="2026-11-23T03:17:00Z"))
-    other = load_run(
+    baseline = ConformanceReport.load(
+        write_report(tmp_path / "a.json", before, date="2026-11-23T03:17:00Z")
+    )
+    other = ConformanceReport.load(
         write_report(
             tmp_path / "b.json",
             after,
@@ -113,7 +114,7 @@ def test_compare_lists_the_differences_and_nothing_else(tmp_path):
             stale=["s.py::old_entry", "s.py::renamed"],
         )
     )
-    baseline.data["stale_expectations"] = [{"id": "s.py::old_entry"}]  # stale both nights
+    baseline.stale = [StaleExpectation("s.py::old_entry", "xfail", "x.toml", 3)]  # both nights
     comparison = compare(baseline, other)
     assert [(c.kind, c.nodeid, c.before_status, c.after_status) for c in comparison.changes] == [
         (NEW_FAIL, "s.py::regressed[ws2]", "PASS", "FAIL"),
@@ -122,7 +123,7 @@ def test_compare_lists_the_differences_and_nothing_else(tmp_path):
         ("newly UNSUPPORTED", "s.py::dropped_capability[ws4]", "PASS", "UNSUPPORTED"),
         ("not run", "s.py::gone[ws2]", "PASS", "-"),
     ]
-    assert [entry["id"] for entry in comparison.new_stale_entries] == ["s.py::renamed"]
+    assert [entry.id for entry in comparison.new_stale_entries] == ["s.py::renamed"]
     assert [c.nodeid for c in comparison.new_failures] == [
         "s.py::regressed[ws2]",
         "s.py::new_and_failing[ws2]",
@@ -194,8 +195,8 @@ def test_a_report_of_schema_version_4_is_read_without_ranks_or_command(tmp_path)
     for test in data["tests"]:
         del test["ranks"], test["reproduce"]
     path.write_text(json.dumps(data))
-    (test,) = load_run(path).tests
-    assert (test.status, test.ranks, test.reproduce) == ("FAIL", (), "")
+    (test,) = ConformanceReport.load(path).tests
+    assert (test.status, test.ranks, test.reproduce) == ("FAIL", [], "")
 
 
 def test_history_draws_each_implementation_and_the_step_benchmarks_in_date_order(tmp_path):

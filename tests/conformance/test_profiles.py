@@ -423,7 +423,7 @@ def test_each_subject_counts_in_its_own_profiles_with_its_own_declaration():
         "  c10d-core: NOT CONFORMANT (1 of 2 cases fail)",
         "  reduce_op.avg: CONFORMANT",
     ]
-    assert text.title(built) == "acme and backend vendorlink"
+    assert built.title == "acme and backend vendorlink"
     assert "- `dtype.float32`: why" in markdown.render(built)
     header = text.header_lines(built)
     assert any(line.startswith("backend under test: vendorlink") for line in header)
@@ -438,5 +438,5 @@ def test_a_backend_only_run_shows_no_implementation():
     }
     built = recorder.build(environment, [], [CORE, BACKEND_CORE])
     assert [r.profile.name for r in built.profile_results()] == ["c10d-core"]
-    assert text.title(built) == "backend gloo"
+    assert built.title == "backend gloo"
     assert not any(line.startswith("implementation:") for line in text.header_lines(built))

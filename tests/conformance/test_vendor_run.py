@@ -27,7 +27,7 @@ import pytest
 
 from tests.conformance.browser import ENV_VAR as BROWSER_ENV_VAR
 from tests.conformance.browser import chromium, find_chromium
-from tests.conformance.report_checks import check_report_dir
+from tests.conformance.report_checks import check_report_dir, check_saved_renders_as_the_run
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -219,7 +219,7 @@ def test_every_test_gets_its_status(vendor_run):
 def test_the_report_names_the_vendor_implementation_and_backend(vendor_run):
     done, report, root = vendor_run
     env = report["environment"]
-    assert (report["schema"], report["schema_version"]) == ("distconform-conformance", 6)
+    assert (report["schema"], report["schema_version"]) == ("distconform-conformance", 7)
     assert env["implementation"]["name"] == "acme-fsdp"
     assert env["implementation"]["spec"] == "acme_fsdp:implementation"
     assert env["implementation"]["capabilities"] == [
@@ -233,6 +233,14 @@ def test_the_report_names_the_vendor_implementation_and_backend(vendor_run):
     assert "implementation: acme-fsdp (spec acme_fsdp:implementation)" in done.stdout
     junit = (root / "report" / "conformance.junit.xml").read_text()
     assert "test_ranks_run_the_vendor_implementation_on_its_backend" in junit
+
+
+def test_the_saved_report_renders_as_the_run_wrote_and_printed_it(vendor_run):
+    """One report model: read back from conformance.json, the report gives the same text in
+    every format as the one the run built."""
+    done, report, root = vendor_run
+    loaded = check_saved_renders_as_the_run(root / "report", done.stdout)
+    assert loaded.to_json() == report
 
 
 def test_xfail_entries_carry_category_link_and_evidence(vendor_run):

@@ -20,7 +20,7 @@ import pytest
 from distconform.conformance.pages.run import render_run
 from distconform.conformance.renderers import FILE_FORMATS, terminal
 from distconform.conformance.renderers.format import write_files
-from distconform.conformance.saved import run_from_json
+from distconform.conformance.report import ConformanceReport
 from distconform.conformance.verdict import (
     CONFORMANT,
     INCOMPLETE,
@@ -30,7 +30,6 @@ from distconform.conformance.verdict import (
     Verdict,
     profile_verdict,
     run_verdict,
-    verdicts_of_report,
 )
 from tests.conformance.report_checks import PageElements, check_report_dir
 from tests.conformance.test_profiles import build, case_report
@@ -181,10 +180,11 @@ def test_a_report_saved_before_verdicts_gets_the_same_verdict_on_its_page(tmp_pa
     del old["verdict"]
     for profile in old["profiles"]:
         del profile["verdict"]
-    run, profiles = verdicts_of_report(old)
+    loaded = ConformanceReport.from_json(old, tmp_path / "old.json")
+    run, profiles = loaded.verdicts()
     assert run.line() == data["verdict"]["line"]
     assert [v.line() for v in profiles] == [p["verdict"]["line"] for p in data["profiles"]]
-    banner, _ = page_verdicts(render_run(run_from_json(old, tmp_path / "old.json")))
+    banner, _ = page_verdicts(render_run(loaded))
     assert banner["class"] == "banner bad"
 
 

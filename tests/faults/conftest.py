@@ -1,6 +1,6 @@
 """Collects the fault battery's table and prints it at the end of the session.
 
-Set ``DISTCONFORM_FAULT_TABLE=path`` to also write it as Markdown (for docs/reliability.md).
+Set ``DISTCONFORM_FAULT_TABLE=path`` to also write it as Markdown (for docs/results/reliability.md).
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ def script() -> Path:
 
 def test_the_script_is_declared_and_installed():
     declared = [e.value for e in entry_points(group="console_scripts") if e.name == "distconform"]
-    assert declared == ["distconform.harness.__main__:console"], (
+    assert declared == ["distconform.__main__:console"], (
         f"console script distconform: {declared}; an install from before pyproject.toml declared "
         f"it has none: reinstall with pip install -c constraints.txt -e ."
     )
@@ -47,7 +47,13 @@ def test_the_script_lists_the_commands_and_names_itself():
     assert "unknown command 'conform'" in unknown.stderr
 
 
-def test_python_dash_m_harness_still_names_itself():
+def test_python_dash_m_distconform_does_what_the_script_does():
+    listed = subprocess.run(
+        [sys.executable, "-m", "distconform", "--help"], capture_output=True, text=True, timeout=60
+    )
+    by_script = subprocess.run([script(), "--help"], capture_output=True, text=True, timeout=60)
+    assert listed.returncode == by_script.returncode == 0, listed.stderr
+    assert listed.stdout.replace("python -m distconform", "distconform") == by_script.stdout
     done = subprocess.run(
         [sys.executable, "-m", "distconform", "conformance", "--help"],
         capture_output=True,

@@ -11,7 +11,7 @@ import pytest
 
 from distconform.harness.controller.config import ConfigError
 from distconform.harness.controller.launcher_registry import (
-    BUILT_IN,
+    BUILT_IN_LAUNCHERS,
     launcher_named,
     names,
 )
@@ -41,14 +41,14 @@ def test_fails_on_rank_1(rank_ctx):
 
 
 def test_the_built_in_launchers_answer_for_themselves():
-    for name in BUILT_IN:
+    for name in BUILT_IN_LAUNCHERS:
         assert launcher_named(name).name == name
     assert launcher_named("process").limits_memory
     assert not launcher_named("thread").isolates_warnings
     assert not launcher_named("external").starts_ranks
     with pytest.raises(ConfigError, match="unknown launcher 'mpi': choose one of process"):
         launcher_named("mpi")
-    assert set(BUILT_IN) <= set(names())
+    assert set(BUILT_IN_LAUNCHERS) <= set(names())
 
 
 def test_a_launcher_in_one_module_runs_a_distributed_test(tmp_path):

@@ -71,7 +71,7 @@ def test_the_version_is_read_without_importing_torch():
     # The plugins ask at configure, before the rank fork server starts importing torch:
     # an import here would put pytest's own torch import ahead of the fork server's.
     script = (
-        "import sys; from harness import torch_window; "
+        "import sys; from distconform.harness import torch_window; "
         "version = torch_window.installed_torch_version(); "
         "print('torch' in sys.modules, version)"
     )

@@ -1,15 +1,13 @@
 """A launcher in one module, registered at import (``-p tests.harness.toy_launcher``): rank
 processes that carry a mark in their environment, and a reproduce command of their own.
 
-It implements ``distconform.harness.controller.launcher_registry.Launcher`` with the harness's
+It implements :class:`distconform.extension.Launcher` with the harness's (private)
 process pool, which is what a vendor's launcher (ranks on another scheduler, say) would replace.
 """
 
 from __future__ import annotations
 
-from distconform.harness.controller.config import device_backend
-from distconform.harness.controller.launcher_registry import Echo, register
-from distconform.harness.controller.pools import PoolKey, RankPool
+from distconform.extension import Echo, PoolKey, RankPool, device_backend, register_launcher
 
 NAME = "toy"
 #: Every rank this launcher starts has it in its environment.
@@ -52,4 +50,4 @@ class ToyLauncher:
         return ["toy-run", "--ranks", str(world_size), "python"]
 
 
-register(ToyLauncher())
+register_launcher(ToyLauncher())

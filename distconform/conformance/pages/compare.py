@@ -76,8 +76,8 @@ def _comparison_section(index: int, comparison: Comparison) -> str:
         rows.append(
             '<tr class="change" data-kind="stale expectation">'
             f"<td>{badge('XPASS', 'stale expectation')}</td><td>-</td><td>-</td>"
-            f"<td><code>{esc(entry.get('id'))}</code> selects no test "
-            f"({esc(entry.get('file'))}:{esc(entry.get('line'))})</td></tr>"
+            f"<td><code>{esc(entry.id)}</code> selects no test "
+            f"({esc(entry.file)}:{esc(entry.line)})</td></tr>"
         )
     parts.append(
         "<table><thead><tr><th>change</th><th>baseline</th><th>this run</th><th>test</th>"

@@ -15,7 +15,7 @@ from collections import Counter
 from distconform.conformance.history import History, StepBenchmark
 from distconform.conformance.pages.html import badge, esc, page, slug, table
 from distconform.conformance.pages.svg import Series, line_chart
-from distconform.conformance.saved import SavedRun
+from distconform.conformance.report import ConformanceReport
 from distconform.conformance.statuses import conformance_percent, percent_text, worst_status
 
 GENERATOR = "distconform conformance history"
@@ -47,7 +47,7 @@ def _short_date(date: str) -> str:
     return date[5:16].replace("T", " ") if len(date) >= 16 else date or "?"
 
 
-def _implementation_section(implementation: str, runs: list[SavedRun]) -> str:
+def _implementation_section(implementation: str, runs: list[ConformanceReport]) -> str:
     dates = [_short_date(run.date) for run in runs]
     rates = [run.percent() for run in runs]
     # Nightly changes are a few tests in hundreds: a 0-100 axis would flatten them.
@@ -59,7 +59,7 @@ def _implementation_section(implementation: str, runs: list[SavedRun]) -> str:
         y_range=(max(0.0, math.floor(lowest) - 5.0), 100.0),
         y_format="{:.1f}",
     )
-    per_run = [run.features() for run in runs]
+    per_run = [run.counts_by_feature() for run in runs]
     features = sorted({feature for counts in per_run for feature in counts})
     head = ["feature", *(esc(d) for d in dates)]
     rows = []

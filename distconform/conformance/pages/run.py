@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import shlex
 from collections import Counter
+from collections.abc import Sequence
 from typing import Any
 
 from distconform.conformance.pages.html import badge, esc, page, slug, status_chips, table
-from distconform.conformance.saved import SavedRun, SavedTest
+from distconform.conformance.report import ConformanceReport, TestResult
 from distconform.conformance.statuses import (
     APPLIED_STATUSES,
     PASS_RATE_DEFINITION,
@@ -26,22 +27,22 @@ from distconform.conformance.statuses import (
     percent_text,
     worst_status,
 )
-from distconform.conformance.verdict import verdicts_of_report
 
 GENERATOR = "distconform conformance report"
 
 
-def render_run(run: SavedRun) -> str:
-    title = f"Conformance: {run.implementation}"
+def render_run(report: ConformanceReport) -> str:
+    """The run's whole page."""
+    title = f"Conformance: {report.title}"
     body = "\n".join(
         [
             f"<h1>{esc(title)}</h1>",
-            _headline(run),
-            _matrix_section(run),
-            _capabilities_section(run),
-            _expectations_section(run),
-            _environment_section(run),
-            _cases_section(run),
+            _headline(report),
+            _matrix_section(report),
+            _capabilities_section(report),
+            _expectations_section(report),
+            _environment_section(report),
+            _cases_section(report),
         ]
     )
     return page(title, body, generator=GENERATOR)
@@ -50,12 +51,11 @@ def render_run(run: SavedRun) -> str:
 # --- headline --------------------------------------------------------------------------
 
 
-def _headline(run: SavedRun) -> str:
-    data = run.data
-    counts = run.counts()
+def _headline(report: ConformanceReport) -> str:
+    counts = report.counts()
     applied = sum(counts[s] for s in APPLIED_STATUSES)
     parts = []
-    verdict, profile_verdicts = verdicts_of_report(data)
+    verdict, profile_verdicts = report.verdicts()
     if profile_verdicts:
         # The verdict opens the page and sets its colours: a rate alone reads as a grade.
         parts.append(
@@ -66,42 +66,43 @@ def _headline(run: SavedRun) -> str:
             )
             + "</ul>"
         )
-    incomplete = run.run_state().incomplete_line(len(run.tests))
+    incomplete = report.incomplete_line()
     if incomplete:
         parts.append(f'<p class="banner bad" id="completeness">{esc(incomplete)}</p>')
     else:
         parts.append(
-            f'<p class="banner neutral" id="completeness">Complete: all {len(run.tests)} '
+            f'<p class="banner neutral" id="completeness">Complete: all {len(report.tests)} '
             f"tests selected ran to their end.</p>"
         )
     parts.append(
         '<div class="headline">'
-        f'<span class="rate" id="pass-rate">{esc(percent_text(run.percent()))}</span>'
+        f'<span class="rate" id="pass-rate">{esc(percent_text(report.percent()))}</span>'
         f'<span class="muted">pass rate {esc(PASS_RATE_DEFINITION)}</span>'
-        f"<span>{applied} of {len(run.tests)} tests applied</span>"
+        f"<span>{applied} of {len(report.tests)} tests applied</span>"
         f"{status_chips(counts)}</div>"
     )
-    profiles = data.get("profiles") or []
-    if profiles:
+    results = report.profile_results()
+    if results:
         rows = []
-        for profile, profile_verdict in zip(profiles, profile_verdicts, strict=True):
+        for result, profile_verdict in zip(results, profile_verdicts, strict=True):
+            profile = result.profile
             rate = (
                 "no pass rate: capabilities missing"
-                if profile.get("required") and not profile.get("declared")
-                else percent_text(profile.get("pass_percent"))
+                if result.withheld
+                else percent_text(result.percent())
             )
             unsupported = "; ".join(
-                f"{group['cases']} need {' + '.join(group['needs'])}"
-                for group in profile.get("unsupported") or []
+                f"{len(nodeids)} need {' + '.join(needs)}"
+                for needs, nodeids in result.unsupported()
             )
             rows.append(
                 [
-                    f"<strong>{esc(profile['name'])}</strong><br>"
-                    f'<span class="muted">{esc(profile.get("description", ""))}</span>',
+                    f"<strong>{esc(profile.name)}</strong><br>"
+                    f'<span class="muted">{esc(profile.description)}</span>',
                     f'<span class="verdict {profile_verdict.tone}">'
                     f"{esc(profile_verdict.status)}</span>",
-                    "required" if profile.get("required") else "extension",
-                    f"{profile.get('applied', 0)} of {profile.get('cases', 0)}",
+                    "required" if profile.required else "extension",
+                    f"{result.applied()} of {len(result.tests)}",
                     esc(rate),
                     esc(unsupported or "-"),
                 ]
@@ -119,7 +120,7 @@ def _headline(run: SavedRun) -> str:
 # --- matrix ----------------------------------------------------------------------------
 
 
-def world_size_columns(tests: list[SavedTest] | tuple[SavedTest, ...]) -> list[int | None]:
+def world_size_columns(tests: Sequence[TestResult]) -> list[int | None]:
     """The run's world sizes in order; None (tests without one) last."""
     sizes = {test.world_size for test in tests}
     return sorted(s for s in sizes if s is not None) + ([None] if None in sizes else [])
@@ -129,12 +130,12 @@ def _ws_text(world_size: int | None) -> str:
     return "no ws" if world_size is None else f"ws {world_size}"
 
 
-def _matrix_section(run: SavedRun) -> str:
-    columns = world_size_columns(run.tests)
+def _matrix_section(report: ConformanceReport) -> str:
+    columns = world_size_columns(report.tests)
     cells: dict[tuple[str, int | None], Counter] = {}
-    for test in run.tests:
+    for test in report.tests:
         cells.setdefault((test.feature, test.world_size), Counter())[test.status] += 1
-    features = sorted({test.feature for test in run.tests})
+    features = sorted({test.feature for test in report.tests})
     header = "".join(f'<th class="num">{esc(_ws_text(ws))}</th>' for ws in columns)
     rows = []
     for feature in features:
@@ -187,13 +188,19 @@ def _matrix_cell(feature: str, world_size: int | None, counts: Counter) -> str:
 # --- capabilities, expectations, environment ------------------------------------------------
 
 
-def _capabilities_section(run: SavedRun) -> str:
-    env = run.environment
+def _capabilities_section(report: ConformanceReport) -> str:
+    env = report.environment
     parts = ['<h2 id="capabilities">Declared capabilities</h2>']
     impl = env.get("implementation") or {}
     if impl.get("name"):
         spec = f"<code>{esc(impl.get('spec'))}</code>"
         parts.append(_declares("Implementation", impl, spec))
+        if impl.get("built_on"):
+            parts.append(
+                f'<p id="built-on">It is built on <strong>{esc(impl["built_on"])}</strong> '
+                f"and inherits its recorded deviations (marked inherited below); its own "
+                f"expectations win where both list a test.</p>"
+            )
         if impl.get("error"):
             parts.append(f'<p class="banner bad">It failed to load: {esc(impl["error"])}</p>')
     backend = env.get("backend_declaration") or {}
@@ -208,9 +215,9 @@ def _capabilities_section(run: SavedRun) -> str:
                     [[f"<code>{esc(c)}</code>", esc(why)] for c, why in reasons.items()],
                 )
             )
-    unsupported = [test for test in run.tests if test.status == "UNSUPPORTED"]
+    unsupported = [test for test in report.tests if test.status == "UNSUPPORTED"]
     if unsupported:
-        by_reason: dict[str, list[SavedTest]] = {}
+        by_reason: dict[str, list[TestResult]] = {}
         for test in unsupported:
             by_reason.setdefault(test.reason, []).append(test)
         rows = [
@@ -236,11 +243,11 @@ def _declares(subject: str, record: dict[str, Any], source_html: str) -> str:
     )
 
 
-def _expectations_section(run: SavedRun) -> str:
+def _expectations_section(report: ConformanceReport) -> str:
     parts = ['<h2 id="expectations">Expectations applied</h2>']
-    files = run.environment.get("expectations")
+    files = report.environment.get("expectations")
     parts.append(f"<p>Expectations files: {esc(files or 'none')}</p>")
-    listed = [test for test in run.tests if test.status in ("XFAIL", "XPASS")]
+    listed = [test for test in report.tests if test.status in ("XFAIL", "XPASS")]
     if listed:
         rows = []
         for test in listed:
@@ -250,22 +257,21 @@ def _expectations_section(run: SavedRun) -> str:
                     badge(test.status),
                     f"<code>{esc(test.nodeid)}</code>",
                     esc(test.category or "-"),
-                    esc(test.reason or "-"),
+                    esc(test.inheritance_note or test.reason or "-"),
                     evidence,
                 ]
             )
         parts.append(table(["status", "test", "category", "reason", "evidence"], rows))
     else:
         parts.append('<p class="muted">No test was expected to fail.</p>')
-    stale = run.stale_expectations()
-    if stale:
+    if report.stale:
         rows = [
             [
-                f"<code>{esc(entry.get('id'))}</code>",
-                esc(entry.get("kind")),
-                esc(f"{entry.get('file')}:{entry.get('line')}"),
+                f"<code>{esc(entry.id)}</code>",
+                esc(entry.kind),
+                esc(f"{entry.file}:{entry.line}"),
             ]
-            for entry in stale
+            for entry in report.stale
         ]
         parts.append("<h3>Stale expectations (they select no test)</h3>")
         parts.append(table(["entry", "kind", "where"], rows))
@@ -286,8 +292,8 @@ _ENVIRONMENT_KEYS = (
 )
 
 
-def _environment_section(run: SavedRun) -> str:
-    env = run.environment
+def _environment_section(report: ConformanceReport) -> str:
+    env = report.environment
     rows = [[esc(label), esc(_value_text(env.get(key)))] for label, key in _ENVIRONMENT_KEYS]
     command = env.get("command")
     if command:
@@ -308,9 +314,9 @@ def _value_text(value: Any) -> str:
 # --- every test --------------------------------------------------------------------------
 
 
-def _cases_section(run: SavedRun) -> str:
-    by_feature: dict[str, list[SavedTest]] = {}
-    for test in run.tests:
+def _cases_section(report: ConformanceReport) -> str:
+    by_feature: dict[str, list[TestResult]] = {}
+    for test in report.tests:
         by_feature.setdefault(test.feature, []).append(test)
     parts = [
         '<h2 id="cases">Tests</h2>',
@@ -323,15 +329,17 @@ def _cases_section(run: SavedRun) -> str:
         )
         counts = Counter(test.status for test in tests)
         parts.append(f'<h3 id="feature-{slug(feature)}">{esc(feature)} {status_chips(counts)}</h3>')
-        parts.extend(case_row(test, run) for test in tests)
+        parts.extend(case_row(test, report) for test in tests)
     return "\n".join(parts)
 
 
-def case_row(test: SavedTest, run: SavedRun | None = None) -> str:
+def case_row(test: TestResult, report: ConformanceReport | None = None) -> str:
     """One expandable row: the status and id, then everything needed to act on it."""
     meta = [_ws_text(test.world_size), f"{test.duration_s:.2f} s"]
     if test.case:
         meta.append(f"case {test.case}")
+    if test.inherited_from:
+        meta.append(f"inherited from {test.inherited_from}")
     headline = (
         f' <span class="muted">{esc(_first_line(test.headline))}</span>'
         if test.status != "PASS" and test.headline
@@ -344,15 +352,17 @@ def case_row(test: SavedTest, run: SavedRun | None = None) -> str:
     body = []
     if test.headline:
         body.append(f'<p class="failure-headline"><strong>{esc(test.headline)}</strong></p>')
+    if test.inheritance_note:
+        body.append(f'<p class="inherited">{esc(test.inheritance_note)}</p>')
     if test.category or test.link:
         link = f' <a href="{esc(test.link)}">{esc(test.link)}</a>' if test.link else ""
         body.append(f"<p>category: {esc(test.category or '-')}{link}</p>")
     if test.capabilities:
         body.append(f"<p>needs: {esc(', '.join(test.capabilities))}</p>")
     if test.ranks:
-        rows = [[str(rank), _rank_outcome(outcome)] for rank, outcome in test.ranks]
+        rows = [[str(rank["rank"]), _rank_outcome(rank["outcome"])] for rank in test.ranks]
         body.append(table(["rank", "outcome"], rows, cls="ranks"))
-    reproduce = test.reproduce or _fallback_reproducer(test, run)
+    reproduce = test.reproduce or _fallback_reproducer(test, report)
     if test.status in ("FAIL", "XFAIL") and reproduce:
         body.append(
             f'<p>reproduce with:</p><pre class="reproduce"><code>{esc(reproduce)}</code></pre>'
@@ -375,11 +385,11 @@ def _rank_outcome(outcome: str) -> str:
     return badge(status, outcome)
 
 
-def _fallback_reproducer(test: SavedTest, run: SavedRun | None) -> str:
+def _fallback_reproducer(test: TestResult, report: ConformanceReport | None) -> str:
     """For a test with no recorded command (not distributed, or an older report): pytest on
     its id with the run's implementation, backend, device and launcher."""
     args = ["python", "-m", "pytest", test.nodeid]
-    env = run.environment if run is not None else {}
+    env = report.environment if report is not None else {}
     spec = (env.get("implementation") or {}).get("spec")
     for option, value in (
         ("--impl", spec),

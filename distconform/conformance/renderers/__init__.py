@@ -3,6 +3,8 @@
 Every format renders a :class:`distconform.conformance.report.ConformanceReport` through the same
 interface, a :class:`~distconform.conformance.renderers.format.Format`: a name, the file it is
 written to under ``--conformance-out`` (none for the terminal) and ``render(report) -> str``.
+The report is the same type whether the run just built it or it was read back from its
+``conformance.json``, so every format renders both alike.
 
 Reading order: :mod:`.format` (the interface, and writing the files), :mod:`.text` (the
 lines that Markdown and the terminal share), then one module per format: :mod:`.json_document`,

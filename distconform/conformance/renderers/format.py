@@ -12,6 +12,9 @@ from distconform.conformance.report import ConformanceReport
 
 @dataclass(frozen=True)
 class Format:
+    """One format of the conformance report: a name, the file it is written to under
+    ``--conformance-out`` (None: printed, not written), and ``render(report) -> str``."""
+
     name: str
     #: The file it is written to under ``--conformance-out``; None: not written (terminal).
     file_name: str | None

@@ -1,5 +1,6 @@
 """``conformance.json``: the report as data, the form every other tool reads back
-(:mod:`distconform.conformance.saved`; ``conformance.schema.json`` describes it)."""
+(:meth:`distconform.conformance.report.ConformanceReport.load`; ``conformance.schema.json``
+describes it)."""
 
 from __future__ import annotations
 

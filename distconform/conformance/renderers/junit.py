@@ -4,8 +4,9 @@ One ``testcase`` per test, named as pytest's own JUnit writer names it (``classn
 module path and classes, ``name`` the function and its parameters). The conformance status
 decides the element: FAIL is a ``failure`` (an ``error`` when setup or teardown failed),
 XFAIL, UNSUPPORTED and SKIP are ``skipped``, PASS and XPASS have none (an XPASS still counts
-as conformant). Each testcase carries its status, case, capabilities, per-rank outcomes and
-reproduce command as properties; the suite carries the run's environment and verdict.
+as conformant). Each testcase carries its status, case, capabilities, per-rank outcomes,
+reproduce command and the implementation an inherited expectation came from as properties;
+the suite carries the run's environment and verdict.
 """
 
 from __future__ import annotations
@@ -78,14 +79,15 @@ def _testcase(result: TestResult) -> ElementTree.Element:
         _property(properties, "rank_outcomes", outcomes)
     if result.reproduce:
         _property(properties, "reproduce", result.reproduce)
+    if result.inherited_from:
+        _property(properties, "inherited_from", result.inherited_from)
     if result.status == "FAIL":
         tag = "failure" if result.when == "call" else "error"
         failure = ElementTree.SubElement(case, tag, message=result.message or result.reason)
         failure.text = result.detail or result.message
     elif result.status in _SKIPPED:
-        ElementTree.SubElement(
-            case, "skipped", type=_SKIPPED[result.status], message=result.reason or result.message
-        )
+        message = result.inheritance_note or result.reason or result.message
+        ElementTree.SubElement(case, "skipped", type=_SKIPPED[result.status], message=message)
     return case
 
 

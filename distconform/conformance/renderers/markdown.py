@@ -9,7 +9,6 @@ from distconform.conformance.renderers.text import (
     not_declared_lines,
     notable_lines,
     table_lines,
-    title,
 )
 from distconform.conformance.report import ConformanceReport
 from distconform.conformance.statuses import PASS_RATE_DEFINITION, percent_text
@@ -20,7 +19,7 @@ def render(report: ConformanceReport) -> str:
     headline = headline_lines(report, markdown=True)
     incomplete = report.incomplete_line()
     lines = [
-        f"# Conformance report: {title(report)}",
+        f"# Conformance report: {report.title}",
         "",
         *([f"**{incomplete}**", ""] if incomplete else []),
         # "Run:" keeps the run's bullets from joining the profiles' list.

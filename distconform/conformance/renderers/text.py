@@ -1,5 +1,5 @@
-"""The lines of the report that Markdown and the terminal share: the title, the run's
-header, the table per feature and world size, the verdicts and the notable tests.
+"""The lines of the report that Markdown and the terminal share: the run's header, the
+table per feature and world size, the verdicts and the notable tests.
 
 Each takes ``markdown`` where the two differ (bold names, list bullets, blank lines between
 paragraphs); the rest is the same text in both.
@@ -11,16 +11,8 @@ from collections import Counter
 
 from distconform.conformance.report import ConformanceReport
 from distconform.conformance.statuses import STATUSES, conformance_percent, percent_text
-from distconform.harness.shared.outcomes import STREAM_SAFETY_HEADLINE
+from distconform.extension import STREAM_SAFETY_HEADLINE
 from distconform.suites.cases import BACKEND, IMPLEMENTATION
-
-
-def title(report: ConformanceReport) -> str:
-    names = []
-    for subject in report.subjects() or [IMPLEMENTATION]:
-        name = report.subject_record(subject).get("name")
-        names.append(f"backend {name}" if subject == BACKEND else str(name))
-    return " and ".join(names)
 
 
 def header_lines(report: ConformanceReport) -> list[str]:
@@ -30,9 +22,14 @@ def header_lines(report: ConformanceReport) -> list[str]:
     if IMPLEMENTATION in subjects:
         impl = env.get("implementation", {})
         capabilities = ", ".join(impl.get("capabilities", [])) or "none declared"
+        built_on = (
+            f"; built on {impl['built_on']}, whose recorded deviations it inherits"
+            if impl.get("built_on")
+            else ""
+        )
         lines.append(
             f"implementation: {impl.get('name', '?')} (spec {impl.get('spec', '?')}); "
-            f"capabilities: {capabilities}"
+            f"capabilities: {capabilities}{built_on}"
         )
     if BACKEND in subjects:
         backend = env.get("backend_declaration", {})
@@ -159,8 +156,9 @@ def notable_lines(report: ConformanceReport) -> list[str]:
         lines += ["", f"{status} — {label}:"]
         for r in found:
             extra = f" [{r.category}]" if r.category else ""
-            what = r.message or r.reason
-            lines.append(f"- `{r.nodeid}`{extra}: {what}"[:400])
+            # An inherited deviation says whose it is first: not the vendor's own to fix.
+            what = ": ".join(part for part in (r.inheritance_note, r.message) if part)
+            lines.append(f"- `{r.nodeid}`{extra}: {what or r.reason}"[:400])
     unsupported = Counter(r.reason for r in report.tests if r.status == "UNSUPPORTED")
     if unsupported:
         lines += ["", "UNSUPPORTED:"]

@@ -7,7 +7,13 @@ does, is registered only in a session that sets ``--dist-adopt`` or ini ``dist_a
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
+
+#: What torch's test package imports beyond torch itself; the ``adopt`` extra installs it.
+ADOPT_EXTRA = "adopt"
+ADOPT_NEEDS = ("expecttest",)
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -50,8 +56,26 @@ def pytest_distconform_expects_ranks(config: pytest.Config) -> bool | None:
 @pytest.hookimpl(trylast=True)  # after distconform.harness.plugin has stored the session's settings
 def pytest_configure(config: pytest.Config) -> None:
     if adoption_requested(config):
+        require_adopt_extra()
         from distconform.harness.adopt import (
             plugin as adopt_plugin,  # torch's test package, only if asked
         )
 
         config.pluginmanager.register(adopt_plugin, adopt_plugin.PLUGIN_NAME)
+
+
+def require_adopt_extra() -> None:
+    """Raise a one-line :class:`pytest.UsageError` naming the ``adopt`` extra when a module
+    torch's test package needs is missing, before that package fails on it mid-import."""
+    missing = []
+    for module in ADOPT_NEEDS:
+        try:
+            importlib.import_module(module)
+        except ImportError:
+            missing.append(module)
+    if missing:
+        raise pytest.UsageError(
+            f"--dist-adopt runs torch's own test classes, whose test package needs "
+            f"{', '.join(missing)}: pip install 'distconform[{ADOPT_EXTRA}]' "
+            f"(with your constraints file)"
+        )

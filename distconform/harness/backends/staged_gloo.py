@@ -48,8 +48,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from distconform.api import current_stream_set
+from distconform.extension import StreamChecker, stream_checker
 from distconform.harness.backends.python_group import PythonProcessGroup
-from distconform.harness.devices import StreamChecker, current_stream_set, stream_checker
 
 BACKEND_NAME = "staged_gloo"
 

@@ -30,6 +30,9 @@ def padded_numel(shape: Sequence[int], shard_size: int) -> int:
 
 @dataclass(frozen=True)
 class MinBytes:
+    """The fewest bytes per rank each collective kind must move for one step (``total``:
+    their sum): the yardstick :func:`min_bytes_per_rank` computes."""
+
     all_gather: int
     reduce_scatter: int
     all_reduce: int

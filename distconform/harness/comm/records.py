@@ -123,6 +123,7 @@ _DTYPE_SHORT = {
 
 
 def dtype_name(dtype: torch.dtype) -> str:
+    """The short name schedules print for ``dtype`` (``bf16``, ``fp32``...)."""
     return _DTYPE_SHORT.get(dtype, str(dtype).removeprefix("torch."))
 
 

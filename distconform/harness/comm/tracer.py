@@ -78,6 +78,9 @@ def mesh_group_labels(mesh: Any) -> dict[str, str]:
 
 @dataclass(frozen=True)
 class CommTotals:
+    """Sums over the traced calls that match a filter: how many, the elements and bytes of
+    their inputs and outputs, and the bytes each rank sends over the wire."""
+
     calls: int
     numel: int
     nbytes: int
@@ -214,6 +217,9 @@ def format_schedule(
     with_site: bool = False,
     marks: Sequence[tuple[int, str]] = (),
 ) -> str:
+    """``calls`` as aligned text, one line per collective (phase, kind, group, tensors; the
+    call site with ``with_site``), with a ``== label`` line before each ``(position, label)``
+    of ``marks``: the schedule :func:`assert_schedule` compares."""
     rows = []
     for call in calls:
         row = [call.phase] if with_phase else []

@@ -10,6 +10,7 @@ import os
 from dataclasses import dataclass
 
 from distconform.harness.controller.leasing import fake_device_count
+from distconform.harness.shared.device_registry import device_type as registered_device
 from distconform.harness.shared.memory_sizes import parse_size
 
 THREADED_BACKEND = "threaded"
@@ -22,6 +23,7 @@ class ConfigError(ValueError):
 
 
 def available_cores() -> int:
+    """The CPU cores this process may run on (its affinity mask where the OS has one)."""
     try:
         return len(os.sched_getaffinity(0))
     except AttributeError:
@@ -40,6 +42,11 @@ def check_world_size(world_size: object) -> int:
 
 
 def check_device_type(device_type: str) -> str:
+    """``device_type`` as torch names it (``CUDA`` gives ``cuda``).
+
+    Raises:
+        ConfigError: for a type torch does not know, or one given with an index (``cuda:1``).
+    """
     # torch only when a device is named: the fork server's clients and the device leases
     # read this module's constants without paying for torch.
     import torch
@@ -67,6 +74,9 @@ def device_backend(backend: str | None, device_type: str) -> str:
             f"the {THREADED_BACKEND!r} backend only works with rank threads: use --launcher thread"
         )
     if backend in (None, "auto"):
+        registered = registered_device(device_type)
+        if registered is not None and registered.default_backend is not None:
+            return registered.default_backend
         try:
             return dist.get_default_backend_for_device(device_type)
         except (RuntimeError, ValueError, KeyError) as exc:
@@ -132,6 +142,9 @@ def device_count(device_type: str) -> int | None:
     fake = fake_device_count()
     if fake is not None:
         return fake
+    registered = registered_device(device_type)
+    if registered is not None and registered.count is not None:
+        return registered.count()
     import torch  # as in check_device_type
 
     accelerator = torch.accelerator.current_accelerator(check_available=True)

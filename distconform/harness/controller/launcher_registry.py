@@ -6,10 +6,10 @@ distconform's own are ``process`` (:mod:`distconform.harness.controller.process.
 ``thread`` (:mod:`distconform.harness.controller.thread_host.launcher`) and ``external``
 (:mod:`distconform.harness.controller.external.launcher`), imported only when named, since a
 launcher's module may pull in what its ranks need. Another launcher is one module that calls
-:func:`register` at import (load it with ``-p MODULE`` or ``--backend-plugin``-style imports before
-the session configures) or an entry point of the ``distconform.launchers`` group. Callers ask the
-launcher what they need to know (does it start ranks, can it limit their memory...) instead of
-testing its name.
+:func:`register_launcher` at import (load it with ``-p MODULE`` or ``--backend-plugin``-style
+imports before the session configures) or an entry point of the ``distconform.launchers`` group.
+Callers ask the launcher what they need to know (does it start ranks, can it limit their memory...)
+instead of testing its name.
 """
 
 from __future__ import annotations
@@ -27,11 +27,11 @@ if TYPE_CHECKING:
 
 Echo = Callable[[str], None] | None
 
-GROUP = "distconform.launchers"
+LAUNCHERS_GROUP = "distconform.launchers"
 #: distconform's own launchers' names, for callers that choose one (never to compare).
 PROCESS, THREAD, EXTERNAL = "process", "thread", "external"
 #: distconform's own launchers: name -> module whose ``LAUNCHER`` it is.
-BUILT_IN = {
+BUILT_IN_LAUNCHERS = {
     PROCESS: "distconform.harness.controller.process.launcher",
     THREAD: "distconform.harness.controller.thread_host.launcher",
     EXTERNAL: "distconform.harness.controller.external.launcher",
@@ -40,6 +40,9 @@ DEFAULT = PROCESS
 
 
 class Launcher(Protocol):
+    """How ranks come to exist for a run: what a launcher must answer. Register one with
+    :func:`register_launcher`; callers ask it instead of comparing its name."""
+
     #: The ``--launcher`` value.
     name: str
     #: ``False`` when the ranks exist already (torchrun, srun) and this process is one.
@@ -72,7 +75,7 @@ class Launcher(Protocol):
 _REGISTERED: dict[str, Launcher] = {}
 
 
-def register(launcher: Launcher) -> Launcher:
+def register_launcher(launcher: Launcher) -> Launcher:
     """Make ``launcher`` available as ``--launcher <its name>``; returns it."""
     existing = _REGISTERED.get(launcher.name)
     if existing is not None and existing is not launcher:
@@ -83,18 +86,20 @@ def register(launcher: Launcher) -> Launcher:
 
 def names() -> tuple[str, ...]:
     """Every launcher that can be named: distconform's own first."""
-    return tuple(dict.fromkeys([*BUILT_IN, *entry_points.installed(GROUP), *_REGISTERED]))
+    return tuple(
+        dict.fromkeys([*BUILT_IN_LAUNCHERS, *entry_points.installed(LAUNCHERS_GROUP), *_REGISTERED])
+    )
 
 
 def launcher_named(name: str) -> Launcher:
     """The launcher called ``name``, loading it on first use."""
     if name in _REGISTERED:
         return _REGISTERED[name]
-    if name in BUILT_IN:
-        return register(importlib.import_module(BUILT_IN[name]).LAUNCHER)
-    installed = entry_points.installed(GROUP)
+    if name in BUILT_IN_LAUNCHERS:
+        return register_launcher(importlib.import_module(BUILT_IN_LAUNCHERS[name]).LAUNCHER)
+    installed = entry_points.installed(LAUNCHERS_GROUP)
     if name in installed:
-        return register(installed[name].load())
+        return register_launcher(installed[name].load())
     raise ConfigError(f"unknown launcher {name!r}: choose one of {', '.join(names())}")
 
 

@@ -25,26 +25,10 @@ from pathlib import Path
 
 from filelock import FileLock, Timeout
 
+from distconform.harness.shared.device_registry import visibility_variable
+
 FAKE_COUNT_ENV = "DISTCONFORM_FAKE_DEVICE_COUNT"
 LEASE_DIR_ENV = "DISTCONFORM_LEASE_DIR"
-VISIBILITY_ENV = {
-    "cuda": "CUDA_VISIBLE_DEVICES",
-    "xpu": "ZE_AFFINITY_MASK",
-    "hpu": "HABANA_VISIBLE_MODULES",
-}
-
-
-def declare_visibility_variable(device_type: str, variable: str) -> None:
-    """Name the variable that narrows a device type's visible devices (a device plug-in
-    calls this: ``ASCEND_RT_VISIBLE_DEVICES`` for ``npu``, ``FAKEACCEL_VISIBLE_DEVICES``...),
-    so that leases of that device type set it as they set ``CUDA_VISIBLE_DEVICES``."""
-    known = VISIBILITY_ENV.get(device_type)
-    if known is not None and known != variable:
-        raise ValueError(
-            f"the visible devices of {device_type} are already narrowed by {known}, not {variable}"
-        )
-    VISIBILITY_ENV[device_type] = variable
-
 
 _POLL_S = 0.05
 
@@ -60,7 +44,7 @@ class DeviceLease:
     _locks: list[FileLock] = field(default_factory=list, repr=False)
 
     def visibility_env(self) -> dict[str, str]:
-        name = VISIBILITY_ENV.get(self.device_type)
+        name = visibility_variable(self.device_type)
         if name is None:
             return {}
         return {name: ",".join(str(i) for i in self.indices)}

@@ -49,6 +49,8 @@ class RankPool(Protocol):
 
 @dataclass(frozen=True)
 class PoolKey:
+    """What makes two runs able to share warm ranks: a launcher makes one pool per key."""
+
     launcher: str
     world_size: int
     backend: str

@@ -18,9 +18,8 @@ from distconform.harness.controller.config import (
     parse_world_sizes,
 )
 from distconform.harness.controller.deadline import configured_deadline
-from distconform.harness.controller.launcher_registry import BUILT_IN as BUILT_IN_LAUNCHERS
+from distconform.harness.controller.launcher_registry import BUILT_IN_LAUNCHERS, launcher_named
 from distconform.harness.controller.launcher_registry import DEFAULT as DEFAULT_LAUNCHER
-from distconform.harness.controller.launcher_registry import launcher_named
 from distconform.harness.controller.option_group import option_group
 from distconform.harness.controller.session import requested_launcher
 

@@ -299,7 +299,7 @@ def build_steps(plan: Plan, out: Path) -> list[Step]:
         return (
             py,
             "-m",
-            "harness",
+            "distconform",
             "conformance",
             "--impl",
             impl,
@@ -342,7 +342,7 @@ def build_steps(plan: Plan, out: Path) -> list[Step]:
         return (
             py,
             "-m",
-            "harness",
+            "distconform",
             "bench-collectives",
             "--device",
             device,

@@ -21,6 +21,8 @@ import os
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 
+from distconform.harness.shared.device_registry import plugin_module
+
 ENV_VAR = "DISTCONFORM_BACKEND_PLUGINS"
 
 
@@ -53,10 +55,10 @@ def import_plugins(modules: Iterable[str]) -> list[str]:
     return names
 
 
-#: Backends and devices the harness bundles: ``--backend NAME`` or ``--device NAME`` imports
-#: the module, no plug-in flag needed. A device comes first: its module registers its backend.
+#: Backends the harness bundles: ``--backend NAME`` imports the module, no plug-in flag
+#: needed. A device's module (its registry entry's ``plugin``) is imported the same way, first:
+#: it registers its backend.
 BUNDLED_BACKENDS = {"staged_gloo": "distconform.harness.backends.staged_gloo"}
-BUNDLED_DEVICES = {"fakeaccel": "distconform.harness.devices.fakeaccel"}
 
 
 def activate(
@@ -69,7 +71,7 @@ def activate(
     """
     wanted = []
     for bundled in (
-        BUNDLED_DEVICES.get((device or "").split(":")[0].lower()),
+        plugin_module(device) if device else None,
         BUNDLED_BACKENDS.get((backend or "").lower()),
     ):
         if bundled is not None:

@@ -18,6 +18,8 @@ STREAM_SAFETY_HEADLINE = "access(es) to device memory that no synchronisation or
 
 
 class Outcome(enum.StrEnum):
+    """How one rank's part of a run ended: its own verdict, before the run's is drawn."""
+
     PASSED = "passed"
     FAILED = "failed"
     SKIPPED = "skipped"

@@ -24,6 +24,8 @@ from distconform.harness.shared import rewritten_imports
 from distconform.harness.shared.rewritten_imports import RewrittenModules
 
 MAIN_ALIAS = "__distconform_main__"
+#: Its modules are unpickled first in a rank (see module_refs).
+HARNESS_PACKAGE = "distconform.harness"
 
 
 class TaskPackingError(TypeError):
@@ -109,7 +111,7 @@ def _module_refs(payload: bytes) -> tuple[ModuleRef, ...]:
     # The harness's own modules first: a rank-side module may prepare the rank for the test's
     # (distconform.harness.adopt.rank serves init_process_group to names a test module binds on
     # import).
-    for name in sorted(strings, key=lambda name: (name.split(".")[0] != "harness", name)):
+    for name in sorted(strings, key=lambda name: (not _is_harness(name), name)):
         if name not in sys.modules or name in sys.builtin_module_names:
             continue
         parts = name.split(".")
@@ -124,6 +126,10 @@ def _module_refs(payload: bytes) -> tuple[ModuleRef, ...]:
                 is_package=hasattr(module, "__path__"),
             )
     return tuple(refs.values())
+
+
+def _is_harness(name: str) -> bool:
+    return name == HARNESS_PACKAGE or name.startswith(f"{HARNESS_PACKAGE}.")
 
 
 # --- rank side -----------------------------------------------------------------------

@@ -19,7 +19,7 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
-from distconform.harness import torch_api
+from distconform.api import torch_api
 
 
 class Comm(Protocol):

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from distconform.harness import torch_api
+from distconform.api import torch_api
 from distconform.suites.backend.collectives import dtype_grid, everyones
 from distconform.suites.backend.contributions import SIZES, contribution, pair_salt
 from distconform.suites.backend.oracle import Findings, unlike

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-from distconform.harness import torch_api
+from distconform.api import torch_api
 from distconform.suites import _torch_private
 from distconform.suites.backend.collectives import everyones
 from distconform.suites.backend.contributions import strided

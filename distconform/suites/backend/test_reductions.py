@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from distconform.harness import torch_api
+from distconform.api import torch_api
 from distconform.suites.backend.collectives import everyones, reduce_op, reduction_grid
 from distconform.suites.backend.contributions import SIZES
 from distconform.suites.backend.oracle import Findings, reduce, rounds, unlike

@@ -34,7 +34,7 @@ from torch.distributed.pipelining import (
 )
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from distconform.harness.parity import compare_tensors
+from distconform.api import compare_tensors
 from distconform.impl.api import Implementation
 
 #: Every schedule class of torch.distributed.pipelining, under the name

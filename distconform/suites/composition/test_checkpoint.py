@@ -39,7 +39,7 @@ import torch.distributed.checkpoint.state_dict as dsd
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from distconform.harness.parity import assert_tensors_close
+from distconform.api import assert_tensors_close
 from distconform.suites.cases import conformance
 from distconform.suites.composition.pipeline import (
     LayerChunk,

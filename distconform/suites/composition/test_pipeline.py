@@ -37,8 +37,7 @@ import torch
 import torch.distributed.tensor.parallel as tp
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-from distconform.harness.comm import CommTracer
-from distconform.harness.parity import assert_tensors_close
+from distconform.api import CommTracer, assert_tensors_close
 from distconform.suites.cases import conformance
 from distconform.suites.composition.pipeline import (
     SCHEDULES,

@@ -76,7 +76,7 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.microbatch import TensorChunkSpec
 from torch.distributed.tensor import DTensor, Replicate
 
-from distconform.harness.parity import assert_tensors_close
+from distconform.api import assert_tensors_close
 from distconform.suites.cases import conformance
 from distconform.suites.composition.pipeline import (
     AT_LEAST_ONE_PER_STAGE,

@@ -51,7 +51,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-from distconform.harness.parity import assert_tensors_close
+from distconform.api import assert_tensors_close
 from distconform.suites.cases import conformance
 
 DIM = 8

@@ -32,14 +32,15 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-from distconform.harness.comm import CommTracer, padded_numel
-from distconform.harness.parity import (
+from distconform.api import (
+    CommTracer,
     ReferenceModel,
     assert_losses_equal,
     assert_tensors_close,
+    padded_numel,
     tolerance,
 )
-from distconform.suites.cases import FAKE_DEVICE, conformance
+from distconform.suites.cases import conformance
 from distconform.suites.models import MLPStack, ModelArgs, Transformer
 from distconform.suites.reordered_sums import AdamDrift, longest_reduction
 from distconform.suites.training import STEPS, SUMMED_LOGITS_GRAD_TOLERANCE
@@ -357,10 +358,11 @@ def test_cpu_attention_on_tp_activations_has_no_sharding_strategy(rank_ctx):
 @pytest.mark.slow
 @pytest.mark.world_size(2)
 def test_math_attention_on_tp_activations_cannot_be_sharded_on_the_fake_device(rank_ctx):
-    """The evidence for the ``FAKEACCEL:`` skip of the tp=2 items above (suites/cases.toml):
+    """The evidence for the ``FAKEACCEL:`` skip of the tp=2 items above (the fake device's
+    ``case_skips``, harness/devices/fakeaccel):
     off CUDA, SDPA takes its math path, and DTensor cannot run it on TP-sharded q/k/v (a plain
     tensor meets the DTensors). When this starts failing, the tp=2 items can run there."""
-    if rank_ctx.device_type != FAKE_DEVICE:
+    if rank_ctx.device_type != "fakeaccel":
         pytest.skip("checks a limitation of the fake accelerator")
     torch.manual_seed(42)
     with torch.device(rank_ctx.device):

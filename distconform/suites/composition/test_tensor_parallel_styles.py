@@ -65,8 +65,7 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.distributed.tensor.placement_types import Placement
 
-from distconform.harness.comm import CommTracer
-from distconform.harness.parity import ReferenceModel, assert_losses_equal, assert_tensors_close
+from distconform.api import CommTracer, ReferenceModel, assert_losses_equal, assert_tensors_close
 from distconform.suites.cases import conformance
 
 TP_MESH_NAMES = ("tp",)

@@ -29,8 +29,14 @@ import torch
 from hypothesis import given
 from torch import nn
 
-from distconform.harness import DistributedFailure, get_rank_context, run_in_session
-from distconform.harness.parity import ReferenceModel, assert_losses_equal, assert_sharded_parity
+from distconform.api import (
+    DistributedFailure,
+    ReferenceModel,
+    assert_losses_equal,
+    assert_sharded_parity,
+    get_rank_context,
+    run_in_session,
+)
 from distconform.suites.properties.strategies import (
     MAX_WORLD_SIZE,
     REPLAY_ENV,

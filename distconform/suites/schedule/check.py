@@ -13,7 +13,7 @@ from collections import defaultdict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from distconform.harness.comm import CollectiveCall, format_schedule
+from distconform.api import CollectiveCall, format_schedule
 from distconform.suites.schedule.oracle import Event, ExpectedCall
 
 

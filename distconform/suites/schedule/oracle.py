@@ -36,7 +36,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from distconform.harness.comm.records import dtype_name
+from distconform.api import dtype_name
 from distconform.suites.schedule.plan import REPLICATE, GroupPlan, ShardingPlan
 
 # Module events, in the order the program ran them (suites/schedule/observe.py).

@@ -23,7 +23,7 @@ from typing import Any
 
 from torch import nn
 
-from distconform.harness.comm import CollectiveCall, CommTracer
+from distconform.api import CollectiveCall, CommTracer
 from distconform.suites.schedule import observe
 from distconform.suites.schedule.check import StepRecord, assert_schedule_conforms
 from distconform.suites.schedule.oracle import FLAG, RESHARD, UNSHARD, Event, Oracle

@@ -9,7 +9,8 @@ rank 0 gathers them, judges the test exactly as for the other launchers and publ
 verdict, so every rank reports the same outcome and rank 0's report carries every rank's
 story.
 
-What happens on each failure kind (docs/user-guide.md's external-launcher section says the same):
+What happens on each failure kind (docs/how-to/torchrun-and-slurm.md's external-launcher section
+says the same):
 
 - A rank whose test fails publishes that in the store at once and destroys its process
   groups, which ends at once any collective a peer is blocked in with it (gloo sees the

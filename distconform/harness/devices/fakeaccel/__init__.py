@@ -24,14 +24,27 @@ from pathlib import Path
 import torch
 from filelock import FileLock
 
+from distconform.extension import DeviceType, register_device
 from distconform.harness import _torch_private
 from distconform.harness.backends import staged_gloo
-from distconform.harness.controller import leasing
 from distconform.harness.devices.fakeaccel import module
 
 DEVICE_TYPE = module.DEVICE_TYPE
 VISIBILITY_VARIABLE = "FAKEACCEL_VISIBLE_DEVICES"
 COUNT_VARIABLE = "FAKEACCEL_DEVICE_COUNT"
+DEVICE = DeviceType(
+    DEVICE_TYPE,
+    visibility_variable=VISIBILITY_VARIABLE,
+    plugin=__name__,
+    case_skips={
+        # Evidence: suites/composition/test_tensor_parallel.py
+        # ::test_math_attention_on_tp_activations_cannot_be_sharded_on_the_fake_device.
+        "fsdp.tp.shard_placement_fn_tp_ep": {
+            "tp=2": "FAKEACCEL: attention on TP activations takes SDPA's math path off CUDA, "
+            'which DTensor cannot shard ("got mixed torch.Tensor and DTensor")'
+        }
+    },
+)
 CACHE_VARIABLE = "DISTCONFORM_CACHE_DIR"
 LIBRARY_NAME = "distconform_fakeaccel"
 SOURCES = tuple(
@@ -99,7 +112,7 @@ def load() -> None:
     torch.utils.rename_privateuse1_backend(DEVICE_TYPE)
     _torch_private.register_device_module(DEVICE_TYPE, module)
     torch.utils.generate_methods_for_privateuse1_backend()
-    leasing.declare_visibility_variable(DEVICE_TYPE, VISIBILITY_VARIABLE)
+    register_device(DEVICE)
     staged_gloo.register()  # again, now that the process has this accelerator
     _loaded = True
 

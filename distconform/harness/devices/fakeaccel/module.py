@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from distconform.harness.devices import current_stream_set
+from distconform.api import current_stream_set
 
 DEVICE_TYPE = "fakeaccel"
 

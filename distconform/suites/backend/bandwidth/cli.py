@@ -13,7 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from distconform.harness.shared import backend_plugins
+from distconform.extension import add_backend_plugin_argument
 from distconform.suites.backend.bandwidth.arithmetic import (
     DEFAULT_OPS,
     DTYPE_SIZES,
@@ -105,7 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--backend", help="c10d backend to measure (default: the launcher's and device's)"
     )
-    backend_plugins.add_argument(parser)
+    add_backend_plugin_argument(parser)
     parser.add_argument(
         "--launcher", default="process", choices=("process", "thread"), help="default: process"
     )
@@ -200,14 +200,15 @@ class UsageError(ValueError):
 def resolve_settings(options: argparse.Namespace) -> Settings:
     """Check everything that can be checked before a rank starts. Raises UsageError."""
     # torch only from here: --help and argument errors answer before it loads.
-    from distconform.harness.controller.config import (
-        ConfigError,
+    from distconform.api import ConfigError
+    from distconform.extension import (
+        BackendPluginError,
         check_device_type,
         device_count,
+        resolve_backend,
         sharing_refusal,
     )
-    from distconform.harness.controller.launcher_registry import resolve_backend
-    from distconform.harness.shared.backend_plugins import BackendPluginError, activate
+    from distconform.extension import activate_backend_plugins as activate
 
     try:
         sizes = size_ladder(options.min_bytes, options.max_bytes, options.step_factor)

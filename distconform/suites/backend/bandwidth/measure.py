@@ -42,7 +42,7 @@ def measure_collective(
     import torch
     import torch.distributed as dist
 
-    from distconform.harness import get_rank_context
+    from distconform.api import get_rank_context
 
     ctx = get_rank_context()
     device = ctx.device
@@ -110,7 +110,7 @@ def _collective(
     import torch
     import torch.distributed as dist
 
-    from distconform.harness import torch_api
+    from distconform.api import torch_api
 
     if op in ("all_reduce", "reduce"):
         # In-place sums of zeros stay zero: repeated sums of anything else overflow to inf
@@ -247,7 +247,7 @@ def _flight_recorder_off() -> Iterator[None]:
     """The harness's always-on collective trace writes a JSON line per call in the ranks
     (about 0.2 ms per call with thread ranks on a small machine): diagnostics a benchmark
     must not time. Ranks inherit the parent's environment; the caller's is restored."""
-    from distconform.harness.comm.flight_files import FLIGHT_ENV
+    from distconform.extension import FLIGHT_ENV
 
     saved = os.environ.get(FLIGHT_ENV)
     os.environ[FLIGHT_ENV] = "0"
@@ -268,7 +268,7 @@ def run_benchmark(settings: Settings) -> tuple[list[Record], list[Failure]]:
 
 
 def _run_benchmark(settings: Settings) -> tuple[list[Record], list[Failure]]:
-    from distconform.harness import ConfigError, DistributedFailure, run_on_ranks
+    from distconform.api import ConfigError, DistributedFailure, run_on_ranks
 
     itemsize = DTYPE_SIZES[settings.dtype]
     targets = [settings.target] + ([settings.peer] if settings.peer else [])

@@ -106,7 +106,7 @@ def environment(settings: Settings) -> dict[str, Any]:
     because other work on the host skews the times, small messages most."""
     import torch
 
-    from distconform.harness.controller.config import available_cores
+    from distconform.extension import available_cores
 
     return {
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
