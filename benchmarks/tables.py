@@ -40,7 +40,14 @@ import stream_check_cost  # noqa: E402
 
 from distconform.harness.gpu_check.report import as_markdown  # noqa: E402
 
-PAGES = ("README.md", "docs/benchmarks.md", "docs/gpu.md", "docs/mutation.md")
+#: The pages holding rendered tables: the results section of the site, where dated measurements
+#: live (tests/test_docs.py checks that no other page has a marked table).
+PAGES = (
+    "docs/results/adopt.md",
+    "docs/results/benchmarks.md",
+    "docs/results/gpu.md",
+    "docs/results/mutation.md",
+)
 _TABLE = re.compile(r"<!-- table: (?P<source>\S+) -->\n.*?<!-- end table -->", re.DOTALL)
 
 
