@@ -65,6 +65,7 @@ if TYPE_CHECKING:
         RankPool,
     )
     from distconform.harness.controller.session import (
+        INFRASTRUCTURE_RETRY_PROPERTY,
         RANK_OUTCOMES_PROPERTY,
         REPRODUCE_PROPERTY,
         SETTINGS_KEY,
@@ -103,6 +104,7 @@ if TYPE_CHECKING:
         register_device,
     )
     from distconform.harness.shared.outcomes import (
+        INFRASTRUCTURE_HEADLINE,
         STREAM_SAFETY_HEADLINE,
     )
     from distconform.harness.torch_window import (
@@ -177,6 +179,8 @@ _HOMES = {
     "SETTINGS_KEY": _SESSION,
     "REPRODUCE_PROPERTY": _SESSION,
     "RANK_OUTCOMES_PROPERTY": _SESSION,
+    "INFRASTRUCTURE_RETRY_PROPERTY": _SESSION,
+    "INFRASTRUCTURE_HEADLINE": "distconform.harness.shared.outcomes",
     "check_device_type": _CONFIG,
     "device_count": _CONFIG,
     "sharing_refusal": _CONFIG,
@@ -209,6 +213,8 @@ __all__ = [
     "BUILT_IN_LAUNCHERS",
     "FLIGHT_ENV",
     "IMPLEMENTATIONS_GROUP",
+    "INFRASTRUCTURE_HEADLINE",
+    "INFRASTRUCTURE_RETRY_PROPERTY",
     "KNOWN_CAPABILITIES",
     "LAUNCHERS_GROUP",
     "RANK_OUTCOMES_PROPERTY",

@@ -60,6 +60,7 @@ from distconform.conformance.statuses import (
 from distconform.conformance.verdict import Verdict, profile_verdict, run_verdict
 from distconform.extension import BACKEND_PLUGINS_ENV as BACKEND_PLUGINS_VAR
 from distconform.extension import (
+    INFRASTRUCTURE_RETRY_PROPERTY,
     RANK_OUTCOMES_PROPERTY,
     REPRODUCE_PROPERTY,
     SETTINGS_KEY,
@@ -120,6 +121,9 @@ class TestResult:
     #: The implementation whose expectations entry gave this XFAIL or XPASS, when the one
     #: under test is built on it (``Implementation.built_on``); None for its own entries.
     inherited_from: str | None = None
+    #: Why a first attempt's ranks failed before the test body, when the harness retried
+    #: the test on a fresh pool (else empty): the outcome is the retry's.
+    infrastructure_retry: str = ""
 
     @property
     def headline(self) -> str:
@@ -165,6 +169,7 @@ class TestResult:
             ],
             reproduce=raw.get("reproduce") or "",
             inherited_from=raw.get("inherited_from"),
+            infrastructure_retry=raw.get("infrastructure_retry") or "",
         )
 
 
@@ -347,6 +352,8 @@ def _read_properties(result: TestResult, report: pytest.TestReport) -> None:
         result.ranks = _rank_outcomes(str(properties[RANK_OUTCOMES_PROPERTY]))
     if REPRODUCE_PROPERTY in properties:
         result.reproduce = str(properties[REPRODUCE_PROPERTY])
+    if INFRASTRUCTURE_RETRY_PROPERTY in properties:
+        result.infrastructure_retry = str(properties[INFRASTRUCTURE_RETRY_PROPERTY])
     if CASE_PROPERTY not in properties:
         return  # "capabilities" alone may be a project's own record_property
     result.case = str(properties[CASE_PROPERTY])

@@ -85,3 +85,22 @@ def test_items_described_only_by_their_id():
     assert [(feature, ws, dict(counts)) for feature, ws, counts in rows] == [
         ("prefetch", 2, {"PASS": 1})
     ]
+
+
+def test_a_test_retried_after_an_infrastructure_failure_says_so_in_the_report():
+    recorder = Recorder()
+    made = report("suites/test_x.py::t[ws2]", "call", "passed")
+    made.user_properties = [("infrastructure_retry", "could not start 2 rank processes")]
+    recorder.add(made)
+    recorder.add(report("suites/test_y.py::t[ws2]", "call", "passed"))
+    built = recorder.build({}, [])
+    retried = {t.nodeid: t.infrastructure_retry for t in built.tests}
+    assert retried == {
+        "suites/test_x.py::t[ws2]": "could not start 2 rank processes",
+        "suites/test_y.py::t[ws2]": "",
+    }
+    lines = text.notable_lines(built)
+    assert "retried once on a fresh pool after an infrastructure failure:" in lines
+    assert "- `suites/test_x.py::t[ws2]` (PASS): could not start 2 rank processes" in lines
+    again = type(built).from_json(built.to_json())
+    assert again.tests[0].infrastructure_retry == "could not start 2 rank processes"

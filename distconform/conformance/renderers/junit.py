@@ -81,6 +81,8 @@ def _testcase(result: TestResult) -> ElementTree.Element:
         _property(properties, "reproduce", result.reproduce)
     if result.inherited_from:
         _property(properties, "inherited_from", result.inherited_from)
+    if result.infrastructure_retry:
+        _property(properties, "infrastructure_retry", result.infrastructure_retry)
     if result.status == "FAIL":
         tag = "failure" if result.when == "call" else "error"
         failure = ElementTree.SubElement(case, tag, message=result.message or result.reason)

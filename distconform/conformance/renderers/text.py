@@ -159,6 +159,10 @@ def notable_lines(report: ConformanceReport) -> list[str]:
             # An inherited deviation says whose it is first: not the vendor's own to fix.
             what = ": ".join(part for part in (r.inheritance_note, r.message) if part)
             lines.append(f"- `{r.nodeid}`{extra}: {what or r.reason}"[:400])
+    retried = [r for r in report.tests if r.infrastructure_retry]
+    if retried:
+        lines += ["", "retried once on a fresh pool after an infrastructure failure:"]
+        lines += [f"- `{r.nodeid}` ({r.status}): {r.infrastructure_retry}"[:400] for r in retried]
     unsupported = Counter(r.reason for r in report.tests if r.status == "UNSUPPORTED")
     if unsupported:
         lines += ["", "UNSUPPORTED:"]

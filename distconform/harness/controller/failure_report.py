@@ -12,6 +12,7 @@ import threading
 from collections.abc import Iterable
 
 from distconform.harness.shared.outcomes import (
+    INFRASTRUCTURE_HEADLINE,
     Outcome,
     RankResult,
     RunResult,
@@ -37,6 +38,8 @@ class DistributedFailure(AssertionError):
 
 
 def verdict_headline(run: RunResult) -> str:
+    if run.infrastructure_failure is not None:
+        return f"{INFRASTRUCTURE_HEADLINE}: {run.infrastructure_failure}"
     if run.shared_crash is not None:
         return run.shared_crash
     primary = run.primary_failure()

@@ -33,6 +33,7 @@ from distconform.harness.controller.launcher_registry import launcher_named
 from distconform.harness.controller.process.spawning import close_shared_zygote, shared_zygote
 from distconform.harness.controller.session import (
     EXTERNAL_KEY,
+    INFRASTRUCTURE_RETRY_PROPERTY,
     POOLS_KEY,
     RANK_OUTCOMES_PROPERTY,
     REPRODUCE_PROPERTY,
@@ -241,11 +242,15 @@ def run_item_body(
     item.user_properties.append(
         (RANK_OUTCOMES_PROPERTY, " ".join(f"{r.rank}:{r.outcome.value}" for r in run.results))
     )
+    if run.infrastructure_retry is not None:
+        item.user_properties.append((INFRASTRUCTURE_RETRY_PROPERTY, run.infrastructure_retry))
     _conclude(item, settings, run)
     return run
 
 
-_RUN_PROPERTIES = frozenset({RANK_OUTCOMES_PROPERTY, REPRODUCE_PROPERTY})
+_RUN_PROPERTIES = frozenset(
+    {RANK_OUTCOMES_PROPERTY, REPRODUCE_PROPERTY, INFRASTRUCTURE_RETRY_PROPERTY}
+)
 
 
 def _group_by_violation(run: RunResult) -> dict[str, list[int]]:

@@ -121,17 +121,30 @@ class PoolManager:
         if fresh:
             # Ranks of its own: not the warm ones that earlier tests ran on.
             self._discard(key, recycled=False)
+        retried: str | None = None
         try:
             pool = self._acquire(key, start_budget, fresh)
-        except PoolStartFailure as exc:
-            return RunResult(
-                results=exc.results,
-                seed=task.seed,
-                deadline=deadline,
-                started_at=started,
-                finished_at=time.monotonic(),
-                harness_notes=[str(exc)],
-            )
+        except PoolStartFailure as first:
+            # Before the test body: the ranks could not start or join their group, which
+            # is the machine's failure, not the test's. One retry on a fresh pool, shown.
+            retried = str(first)
+            budget = None if ends_at is None else max(1.0, ends_at - time.monotonic())
+            try:
+                pool = self._acquire(key, budget, fresh)
+            except PoolStartFailure as second:
+                return RunResult(
+                    results=second.results,
+                    seed=task.seed,
+                    deadline=deadline,
+                    started_at=started,
+                    finished_at=time.monotonic(),
+                    harness_notes=[
+                        f"first attempt: {first}",
+                        f"retried once on a fresh pool, which failed too: {second}",
+                    ],
+                    infrastructure_failure=str(second),
+                    infrastructure_retry=retried,
+                )
         # (the run's note, and what a hung rank's line adds) when the deadline is cut
         cut: tuple[str, str] | None = None
         if must_end_by is not None and must_end_by.ends_at - time.monotonic() < deadline:
@@ -157,6 +170,12 @@ class PoolManager:
                 result.note = f"{result.note or 'hung'}, {hung_suffix}"
         if pool.broken or fresh:
             self._discard(key, recycled=pool.broken)
+        if retried is not None:
+            run.infrastructure_retry = retried
+            run.harness_notes.append(
+                f"retried on a fresh pool after an infrastructure failure before the test "
+                f"body: {retried}"
+            )
         demote_secondary_failures(run)
         return run
 

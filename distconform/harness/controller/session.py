@@ -28,6 +28,8 @@ WORLD_SIZE_PARAM = "dist_world_size"
 #: that reproduces it.
 RANK_OUTCOMES_PROPERTY = "rank_outcomes"
 REPRODUCE_PROPERTY = "reproduce"
+#: Set on a test whose first attempt failed before its body and was retried on a fresh pool.
+INFRASTRUCTURE_RETRY_PROPERTY = "infrastructure_retry"
 
 SETTINGS_KEY = pytest.StashKey[DistSettings]()
 POOLS_KEY = pytest.StashKey["PoolManager"]()

@@ -7,10 +7,12 @@ from dataclasses import dataclass
 import pytest
 
 from distconform.harness.controller.option_group import option_group
+from distconform.harness.controller.session import INFRASTRUCTURE_RETRY_PROPERTY
 from distconform.harness.shared.outcomes import RunResult
 
 _ROWS_KEY = pytest.StashKey[list["SummaryRow"]]()
 _RERUNS_KEY = pytest.StashKey[list[tuple[str, str]]]()
+_RETRIES_KEY = pytest.StashKey[list[tuple[str, str]]]()
 
 
 @dataclass(frozen=True)
@@ -34,7 +36,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 def pytest_configure(config: pytest.Config) -> None:
     config.stash[_ROWS_KEY] = []
     config.stash[_RERUNS_KEY] = []
+    config.stash[_RETRIES_KEY] = []
     config.pluginmanager.register(_RerunReporter(config), "distconform-reruns")
+    config.pluginmanager.register(_RetryReporter(config), "distconform-infrastructure-retries")
     if config.getoption("dist_summary"):
         config.pluginmanager.register(_SummaryReporter(config), "distconform-summary")
 
@@ -116,3 +120,29 @@ class _RerunReporter:
         for nodeid, text in reruns:
             terminalreporter.write_sep("_", f"{nodeid} (rerun)")
             terminalreporter.write_line(text)
+
+
+class _RetryReporter:
+    """Every test the harness retried after an infrastructure failure, at the end of the
+    run, whatever its outcome: a retry is never silent, even when the retry passed."""
+
+    def __init__(self, config: pytest.Config) -> None:
+        self.config = config
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        # From the report's properties: under pytest-xdist the controller sees only those.
+        if report.when != "call":
+            return
+        for name, value in report.user_properties:
+            if name == INFRASTRUCTURE_RETRY_PROPERTY:
+                self.config.stash[_RETRIES_KEY].append((report.nodeid, str(value)))
+
+    def pytest_terminal_summary(self, terminalreporter) -> None:
+        retries = self.config.stash[_RETRIES_KEY]
+        if not retries:
+            return
+        terminalreporter.write_sep(
+            "=", f"{len(retries)} distributed test(s) retried after an infrastructure failure"
+        )
+        for nodeid, failure in retries:
+            terminalreporter.write_line(f"{nodeid}: first attempt: {failure}")

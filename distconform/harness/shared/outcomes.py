@@ -15,6 +15,8 @@ from typing import Any
 #: What a stream-safety failure's message says (harness/rank/stream_safety.py): reports
 #: count these failures by it without loading the checker.
 STREAM_SAFETY_HEADLINE = "access(es) to device memory that no synchronisation orders"
+#: How the report of a test starts whose ranks could not start or join their group.
+INFRASTRUCTURE_HEADLINE = "infrastructure failure before the test body"
 
 
 class Outcome(enum.StrEnum):
@@ -155,6 +157,11 @@ class RunResult:
     #: Set when no single rank can be blamed (ranks that share a process all died with
     #: it): the report's headline, in place of "rank N crashed".
     shared_crash: str | None = None
+    #: Set when the ranks could not start or join their group, before the test body ran:
+    #: what went wrong. An infrastructure failure, not the test's.
+    infrastructure_failure: str | None = None
+    #: The infrastructure failure of a first attempt that was retried on a fresh pool.
+    infrastructure_retry: str | None = None
 
     @property
     def hygiene_violations(self) -> dict[int, list[str]]:
