@@ -17,9 +17,11 @@ another torch version gets the audit's message instead of an ImportError.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import threading
 from collections.abc import Callable, Iterator
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -396,6 +398,79 @@ def unbind_thread_c10d_world() -> None:
     world = _installed_thread_world
     if world is not None:
         world._local.state = None  # type: ignore[attr-defined]
+
+
+# --- the timeout of groups a test creates without one (harness/rank/execute.py) --------------
+#
+# The harness sets the per-test ``pg_timeout`` on the default group only. Every group a test
+# (or the implementation under test, or DeviceMesh) creates without a timeout of its own gets
+# c10d's module default instead: 30 minutes for gloo, 10 for NCCL. A rank stuck in such a
+# group's rendezvous or collective then never raises before the parent's deadline, and its
+# peers' errors (reactions, not causes) leave it running until it is killed (issue 52). No
+# public API sets that default: ``distributed_c10d`` copies ``default_pg_timeout`` and
+# ``default_pg_nccl_timeout`` from ``constants`` at import and reads its own copies.
+
+
+AUDITS["bound_default_group_timeout"] = Audit(
+    reads="distributed_c10d's module globals default_pg_timeout and default_pg_nccl_timeout "
+    "(its own names, bound by 'from .constants import ...'), which _get_default_timeout(backend) "
+    "reads at every call: the timeout of each group created with timeout=None, by "
+    "_new_group_with_tag (new_group, new_subgroups*, DeviceMesh's dimension groups), "
+    "split_group, init_process_group and monitored_barrier. Relies on no other reader: "
+    "_create_process_group_wrapper's default argument is bound at import, and its callers "
+    "pass the group's timeout.",
+    versions={
+        V2_11: "same: import :56, _get_default_timeout :777-790 identical to 2.13's; called by "
+        "init_process_group :1788, monitored_barrier :5103, split_group :5296, "
+        "_new_group_with_tag :5493; default argument only at :5127",
+        V2_12: "same: import :56, _get_default_timeout :792-805 identical to 2.13's; calls "
+        ":1805, :5303, :5504, :5718; default argument only at :5327",
+        V2_13: "same: import :56, _get_default_timeout :836-849; calls :1849, :5422, :5665, "
+        ":5983; default argument only at :5446 (baseline)",
+        V2_14: "same: import :73, _get_default_timeout :1387-1400 (NCCL also matched as "
+        "nccl-legacy, nccl2, nccl-lazy); calls :2502, :6445, :6732, :6955; default argument "
+        "only at :6468",
+        V2_15: "same as 2.14: import :73, _get_default_timeout :1552-1565; calls :2670, "
+        ":6688, :6964, :7190; default argument only at :6711",
+    },
+)
+
+
+class _BoundDefaultGroupTimeout:
+    """Lowers c10d's default group timeouts to at most ``timeout`` until the block ends."""
+
+    _NAMES = ("default_pg_timeout", "default_pg_nccl_timeout")
+
+    def __init__(self, c10d: Any, timeout: timedelta) -> None:
+        self._c10d = c10d
+        self._timeout = timeout
+        self._saved: dict[str, Any] = {}
+
+    def __enter__(self) -> None:
+        for name in self._NAMES:
+            value = getattr(self._c10d, name)
+            self._saved[name] = value
+            # default_pg_nccl_timeout is None in a build without NCCL: left as it is.
+            if isinstance(value, timedelta) and value > self._timeout:
+                setattr(self._c10d, name, self._timeout)
+
+    def __exit__(self, *exc_info: object) -> None:
+        for name, value in self._saved.items():
+            setattr(self._c10d, name, value)
+        self._saved.clear()
+
+
+def bound_default_group_timeout(timeout: timedelta) -> contextlib.AbstractContextManager[None]:
+    """A context in which a group created without a timeout gets at most ``timeout``.
+
+    For a rank that owns its process (the process launcher's, torchrun's): the defaults are
+    process-wide, so rank threads sharing a process must not each set and restore them.
+    A timeout the caller passes explicitly is never changed.
+    """
+    require_audited_torch("bound_default_group_timeout")
+    from torch.distributed import distributed_c10d  # after the version check
+
+    return _BoundDefaultGroupTimeout(distributed_c10d, timeout)
 
 
 # --- torch._dynamo, imported by DTensor's first call (harness/rank/zygote.py) ----------------

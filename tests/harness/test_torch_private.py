@@ -3,6 +3,8 @@ on the installed torch, and refuses a torch outside the window (or a release its
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -22,6 +24,7 @@ CALLS = {
     "unbind_thread_c10d_world": (),
     "import_dynamo": (),
     "forget_dtensor_caches": (),
+    "bound_default_group_timeout": (timedelta(seconds=1),),
     "dtensor_fast_path_cache_stats": (),
     "torch_dispatch_mode_class": (),
     "functional_collective_packets": ((), ()),
@@ -66,6 +69,24 @@ def test_forget_dtensor_caches_empties_this_threads_fast_path_cache(rank_ctx):
     assert _torch_private.dtensor_fast_path_cache_stats() == (0, 0)
     sharded + 1
     assert _torch_private.dtensor_fast_path_cache_stats() == (0, 1)
+
+
+def test_bound_default_group_timeout_lowers_the_defaults_and_restores_them():
+    from torch.distributed import distributed_c10d
+
+    gloo, nccl = distributed_c10d.default_pg_timeout, distributed_c10d.default_pg_nccl_timeout
+    with _torch_private.bound_default_group_timeout(timedelta(seconds=7)):
+        assert distributed_c10d._get_default_timeout("gloo") == timedelta(seconds=7)
+        if isinstance(nccl, timedelta):  # None in a build without NCCL: left alone
+            assert distributed_c10d.default_pg_nccl_timeout == timedelta(seconds=7)
+    assert (distributed_c10d.default_pg_timeout, distributed_c10d.default_pg_nccl_timeout) == (
+        gloo,
+        nccl,
+    )
+    # A bound above the default leaves it as it is: it only ever lowers.
+    with _torch_private.bound_default_group_timeout(gloo * 2):
+        assert distributed_c10d._get_default_timeout("gloo") == gloo
+    assert distributed_c10d.default_pg_timeout == gloo
 
 
 @pytest.mark.world_size(2)

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from distconform.harness import _torch_private
 from distconform.harness.comm import flight
 from distconform.harness.rank import hygiene
 from distconform.harness.rank.device_audit import device_audit
@@ -80,7 +81,8 @@ def run_task(task: RankTask, ctx: RankContext) -> RankResult:
 
 
 def run_task_in_process(task: RankTask, ctx: RankContext, trace_dir: str | None) -> RankResult:
-    """``run_task`` for a rank that owns its process: memory limit, flight trace, hygiene.
+    """``run_task`` for a rank that owns its process: memory limit, flight trace, hygiene,
+    and the default timeout of the groups the test creates.
 
     Used by the process launcher's ranks and by ranks started by torchrun; thread
     ranks share a process, so none of this can be per rank for them.
@@ -89,6 +91,11 @@ def run_task_in_process(task: RankTask, ctx: RankContext, trace_dir: str | None)
     with (
         limited_memory(task.memory_limit),
         flight.recording(trace_dir, ctx.rank, task.task_id) as recorder,
+        # The groups the test creates without a timeout of their own time out with the
+        # default group's pg_timeout, before the parent's deadline, not after c10d's 30
+        # minutes: a rank stuck in a sub-group (a rendezvous whose peer failed) then raises
+        # instead of running until the parent kills it (issue 52). Per process: see there.
+        _torch_private.bound_default_group_timeout(timedelta(seconds=task.pg_timeout)),
     ):
         result = run_task(task, ctx)
     if recorder is not None:

@@ -1,0 +1,124 @@
+"""Sub-groups and device meshes made test after test on warm pools (issue 52).
+
+A ws-4 run once failed in ``init_device_mesh``: one rank's ``new_group`` raised "Gloo
+connectFullMesh failed ... Connection closed by peer" and another rank stayed in its
+``new_group`` until the 300 s deadline. Two things are checked here:
+
+* every group a test creates without a timeout of its own times out with the test's
+  ``pg_timeout``, as the default group does, and not after c10d's 30 minutes: a rank stuck
+  in a sub-group's rendezvous then raises before the parent's deadline;
+* (slow) 210 tests on one warm ws-4 pool, beside two busy processes, each building a 2-D
+  mesh, a 1-D mesh, a ``new_group`` and ``new_subgroups`` and using them: all pass, every
+  rank names each group the same (c10d names a group by a per-process counter, and its
+  rendezvous keys in the pool's store by that name), no name repeats an earlier test's
+  (whose keys are still in the store), and the pool is never replaced.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+from distconform.harness.controller.deadline import pg_timeout_for
+
+DEADLINE_S = 60.0
+
+
+def _timeout_of(group: dist.ProcessGroup) -> timedelta:
+    # No public getter: the backend's options hold the timeout the group was created with.
+    return group._get_backend(torch.device("cpu")).options._timeout
+
+
+@pytest.mark.world_size(2)
+@pytest.mark.deadline(DEADLINE_S)
+def test_groups_created_without_a_timeout_get_the_tests_pg_timeout(rank_ctx):
+    expected = timedelta(seconds=pg_timeout_for(DEADLINE_S))
+    assert _timeout_of(dist.group.WORLD) == expected
+    # Dim "a" of a (1, 2) mesh is one group per rank; dim "b" would be the default group.
+    mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("a", "b"))
+    pair = dist.new_group([0, 1])
+    mine, _ = dist.new_subgroups(group_size=1)
+    created = {"mesh dim a": mesh.get_group("a"), "new_group": pair, "new_subgroups": mine}
+    for what, group in created.items():
+        dist.barrier(group=group)
+        assert _timeout_of(group) == expected, (
+            f"{what}: {_timeout_of(group)}, not the test's pg_timeout {expected}"
+        )
+    # A timeout the test passes is its own, shorter or longer.
+    for explicit in (timedelta(seconds=7), timedelta(hours=1)):
+        group = dist.new_group([0, 1], timeout=explicit)
+        dist.barrier(group=group)
+        assert _timeout_of(group) == explicit
+
+
+STRESS_MODULE = textwrap.dedent(
+    """
+    import pytest
+    import torch
+    import torch.distributed as dist
+
+    ITERATIONS = {iterations}
+    SEEN = set()  # group names this rank process made in earlier tests
+
+
+    def _timeout_of(group):
+        return group._get_backend(torch.device("cpu")).options._timeout
+
+
+    @pytest.mark.world_size(4)
+    @pytest.mark.parametrize("index", range(ITERATIONS))
+    def test_groups(rank_ctx, index):
+        world = _timeout_of(dist.group.WORLD)
+        grid = rank_ctx.mesh((2, 2), ("a", "b"))
+        line = rank_ctx.mesh(4)  # over every rank: the default group, nothing created
+        everyone = dist.new_group()
+        pair, _ = dist.new_subgroups(group_size=2)
+        groups = [grid.get_group("a"), grid.get_group("b"), line.get_group(), everyone, pair]
+        for group in groups:
+            value = torch.ones(1)
+            dist.all_reduce(value, group=group)
+            assert value.item() == dist.get_world_size(group)
+            assert _timeout_of(group) <= world, (group.group_name, _timeout_of(group), world)
+        created = {{
+            g.group_name: tuple(dist.get_process_group_ranks(g))
+            for g in groups
+            if g is not dist.group.WORLD
+        }}
+        reused = SEEN.intersection(created)
+        assert not reused, f"group names {{sorted(reused)}} were used by an earlier test"
+        SEEN.update(created)
+        # Every rank of a group knows it by the same name, and no name means two groups.
+        views = [None] * dist.get_world_size()
+        dist.all_gather_object(views, created)
+        by_name = {{}}
+        for view in views:
+            for name, ranks in view.items():
+                assert by_name.setdefault(name, ranks) == ranks, views
+                assert all(views[member].get(name) == ranks for member in ranks), views
+    """
+)
+
+BUSY = "while True: pass"
+
+
+@pytest.mark.slow  # 210 ws-4 tests beside two busy processes: minutes on 2 cores; nightly
+def test_subgroups_and_meshes_on_a_warm_pool_under_load(pytester):
+    pytester.makepyfile(test_stress=STRESS_MODULE.format(iterations=210))
+    busy = [subprocess.Popen([sys.executable, "-c", BUSY]) for _ in range(2)]
+    try:
+        result = pytester.runpytest_subprocess(
+            "-p", "no:cacheprovider", "-v", "--dist-deadline", "120"
+        )
+    finally:
+        for process in busy:
+            process.kill()
+            process.wait()
+    result.assert_outcomes(passed=210)
+    assert "started 1 rank pool(s); 0 replaced" in result.stdout.str()
