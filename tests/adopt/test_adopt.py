@@ -497,6 +497,7 @@ def test_fsdp_classes_skip_as_their_own_harness_does_without_accelerators(tmp_pa
     ), done.stdout[-3000:]
 
 
+@pytest.mark.slow  # an end-to-end session of tens of seconds; nightly (tox -e slow) keeps it
 def test_without_the_option_pytest_runs_them_with_torchs_own_harness(tmp_path):
     done = run_sample(tmp_path, "--collect-only", "-q")
     assert "test_sample.py::TestProcesses::test_all_reduce" in done.stdout, done.stdout

@@ -149,6 +149,7 @@ def test_the_runs_report_reads_back_as_it_was_written(on_torch):
     assert loaded.by_nodeid()[f"{CAST}[ws2]"].inherited_from == "torch"
 
 
+@pytest.mark.slow  # an end-to-end session of tens of seconds; nightly (tox -e slow) keeps it
 def test_without_built_on_the_same_wrapper_fails_the_case(alone):
     done, report = alone
     cast = by_test(report)[CAST]

@@ -188,6 +188,7 @@ def test_a_report_saved_before_verdicts_gets_the_same_verdict_on_its_page(tmp_pa
     assert banner["class"] == "banner bad"
 
 
+@pytest.mark.slow  # an end-to-end session of tens of seconds; nightly (tox -e slow) keeps it
 def test_a_broken_implementation_run_reports_not_conformant(tmp_path):
     """Through the vendor command: a reference that skips the gradient average."""
     out = tmp_path / "report"

@@ -50,15 +50,13 @@ def _statuses(report: dict, fragment: str) -> set[str]:
 
 def test_reference_conformance_on_the_fake_device_runs_what_the_cpu_cannot(tmp_path):
     """The quick cases only an accelerator runs (the post-optim events), and those that move
-    tensors between host and device (CPU offload), with training parity beside them: all
-    pass on the fake device. The whole quick run there is the slow test below."""
-    report = _conformance(
-        tmp_path, "--impl", "reference", "-k", "post_optim_event or offload or training_parity"
-    )
+    tensors between host and device (CPU offload, with its training parity): all pass on
+    the fake device. The whole quick run there is the slow test below."""
+    report = _conformance(tmp_path, "--impl", "reference", "-k", "post_optim_event or offload")
     assert report["summary"]["counts"]["FAIL"] == 0
     assert _statuses(report, "test_post_optim_event.py") == {"PASS"}
     assert _statuses(report, "test_cpu_offload_training_parity") == {"PASS"}
-    assert report["summary"]["counts"]["PASS"] >= 20
+    assert report["summary"]["counts"]["PASS"] >= 8
 
 
 @pytest.mark.slow
@@ -89,6 +87,7 @@ def test_the_accelerator_tests_pass_one_device_per_rank(tmp_path):
     assert "test_reference_fully_shard_trains_on_the_device[ws2]" in outcomes
 
 
+@pytest.mark.slow  # an end-to-end session of tens of seconds; nightly (tox -e slow) keeps it
 def test_the_accelerator_tests_pass_with_ranks_sharing_one_device(tmp_path):
     junit = tmp_path / "junit.xml"
     completed = _run(
@@ -118,6 +117,7 @@ def test_record_the_leased_devices(rank_ctx, worker_test):
 """
 
 
+@pytest.mark.slow  # an end-to-end session of tens of seconds; nightly (tox -e slow) keeps it
 def test_parallel_workers_lease_disjoint_fake_devices(tmp_path):
     (tmp_path / "test_leases.py").write_text(LEASE_PROBE)
     record = tmp_path / "record.jsonl"
@@ -180,6 +180,7 @@ def test_creates_its_tensor_on_the_rank_device(rank_ctx):
 """
 
 
+@pytest.mark.slow  # an end-to-end session of tens of seconds; nightly (tox -e slow) keeps it
 def test_markers_and_the_device_audit_on_the_fake_device(tmp_path):
     (tmp_path / "test_markers.py").write_text(MARKERS_ON_A_DEVICE)
     junit = tmp_path / "junit.xml"

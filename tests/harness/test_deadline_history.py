@@ -91,6 +91,7 @@ def test_a_hang_after_a_recorded_run_costs_the_adapted_deadline_and_says_so(pyte
     assert elapsed < 60, "the default 300 s deadline applied"
 
 
+@pytest.mark.slow  # an end-to-end session of tens of seconds; nightly (tox -e slow) keeps it
 def test_a_deadline_named_for_the_run_wins_over_the_record(pytester, monkeypatch):
     pytester.makepyfile(test_switched=SWITCHED)
     pytester.makeini("[pytest]\ndist_deadline_floor = 3\n")

@@ -150,6 +150,7 @@ def test_process_ranks_fail_device_less_factories_under_the_marker(pytester):
     result.stdout.no_fnmatch_line("*--dist-device-audit*")
 
 
+@pytest.mark.slow  # an end-to-end session of tens of seconds; nightly (tox -e slow) keeps it
 def test_the_option_audits_every_test_on_thread_ranks(pytester):
     _write_cases(pytester)
     result = pytester.runpytest_subprocess(

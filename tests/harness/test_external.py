@@ -200,6 +200,7 @@ def test_a_torchrun_world_reports_every_outcome_once_and_goes_on(tmp_path):
     assert "ws4" not in rank0.split("short test summary")[1]  # deselected in a world of 2
 
 
+@pytest.mark.slow  # an end-to-end session of tens of seconds; nightly (tox -e slow) keeps it
 def test_a_slurm_world_needs_no_torchrun(tmp_path):
     # What srun sets (and the MASTER_ADDR a job script exports); rank 0 hosts the store.
     _write_module(tmp_path, blocked_in_c=False)

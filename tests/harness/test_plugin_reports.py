@@ -208,6 +208,7 @@ def test_a_rerun_keeps_the_failed_attempts_rank_report(pytester):
     assert 'value="0:passed 1:passed"' in junit  # the attempt that passed
 
 
+@pytest.mark.slow  # an end-to-end session of tens of seconds; nightly (tox -e slow) keeps it
 def test_the_summary_counts_pool_starts_and_replaced_pools(pytester):
     pytester.makepyfile(test_pools_started=FAILING_MODULE)
     result = run_inner(pytester)

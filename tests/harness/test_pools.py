@@ -156,6 +156,7 @@ def test_a_rank_that_dies_starting_shows_its_exception():
     assert "Unknown backend type no_such_backend" in (crashed[0].output or "")
 
 
+@pytest.mark.slow  # an end-to-end session of tens of seconds; nightly (tox -e slow) keeps it
 def test_pools_started_after_the_first_fork_with_dynamo_loaded(pytester):
     # The fork server imports torch._dynamo once it idles; DTensor's first call would
     # otherwise import it in every rank of every pool (0.6 s of CPU each).
@@ -236,6 +237,7 @@ def test_the_plugins_load_without_torch():
     assert out.stdout.strip() == "False", out.stderr
 
 
+@pytest.mark.slow  # an end-to-end session of tens of seconds; nightly (tox -e slow) keeps it
 def test_the_fork_server_starts_at_configure_when_the_last_session_had_distributed_tests(
     pytester,
 ):

@@ -190,6 +190,7 @@ def test_a_vendor_repository_with_packages_of_our_folder_names(installed, tmp_pa
     assert report["summary"]["counts"]["FAIL"] == 0
 
 
+@pytest.mark.slow  # an end-to-end session of tens of seconds; nightly (tox -e slow) keeps it
 def test_a_vendor_implementation_from_its_own_repository(installed, tmp_path):
     _, python = installed
     vendor = tmp_path / "acme_repo"

@@ -256,7 +256,6 @@ ROWS = [
         "test_every_reduction_path_divides_by_the_factor[ws4-mesh=1d-reduce=fp16-factor=none]",
         "skip_post_divide_torch",
         "max rel diff 1.0",
-        fast=True,
     ),
     row(
         "test_reduce_controls",
@@ -358,7 +357,6 @@ ROWS = [
         "test_state_dict_while_unsharded_is_sharded[ws2-how=raf_false_forward]",
         "state_dict_skips_reshard_torch",
         "not the sharded DTensor",
-        fast=True,
     ),
     row(
         "test_state_dict",
@@ -387,7 +385,6 @@ ROWS = [
         "test_post_optim_event[ws2]",
         "post_optim_event_kept_torch",
         UNORDERED,
-        fast=True,
         options=ON_A_DEVICE,
     ),
     # Each drops one synchronisation between streams; only the checker sees it.
