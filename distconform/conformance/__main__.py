@@ -1,4 +1,4 @@
-"""``python -m conformance``: the same command as ``python -m distconform conformance``."""
+"""``python -m distconform.conformance``: the same as ``python -m distconform conformance``."""
 
 from __future__ import annotations
 

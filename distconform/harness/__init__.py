@@ -1,6 +1,7 @@
 """distconform's harness: run a function or a pytest test on N ranks and report honestly.
 
-Public API:
+Private: users and extensions import these names from :mod:`distconform.api` and
+:mod:`distconform.extension`, the declared surface. Kept here for the harness's own code:
 
 - ``@pytest.mark.world_size(2, 4)`` and the ``rank_ctx`` fixture (the pytest plugin);
 - :func:`run_on_ranks` / :func:`launch` for code that is not a test, and

@@ -2,7 +2,7 @@
 
 ``pip install`` registers three groups from ``pyproject.toml``: the ``pytest11`` plugins
 (``distconform.harness.plugin``, ``distconform.conformance.plugin``,
-``distconform.harness.adopt.options``), the ``python -m harness`` subcommands
+``distconform.harness.adopt.options``), the ``python -m distconform`` subcommands
 (``distconform.commands``) and the implementations ``--impl`` names
 (``distconform.implementations``). A machine that cannot install anything (the GPU machine: its own
 Python and torch, nothing fetched) runs distconform from a copy of the tree with only ``PYTHONPATH``
