@@ -18,8 +18,7 @@ server's clients, device leasing) do not pay for importing torch.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from distconform._lazy import lazy_exports
 
 _EXPORTS = {
     "ConfigError": "distconform.harness.controller.config",
@@ -40,14 +39,4 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'distconform.harness' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__})
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())

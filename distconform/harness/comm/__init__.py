@@ -16,8 +16,9 @@ hang or failure to name the first divergent collective in the report.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from distconform._lazy import lazy_exports
 
 if TYPE_CHECKING:
     from distconform.harness.comm.divergence import Divergence, find_divergence
@@ -78,14 +79,6 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    home = _HOMES.get(name)
-    if home is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"{__name__}.{home}"), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *_HOMES})
+__getattr__, __dir__ = lazy_exports(
+    __name__, {name: f"{__name__}.{home}" for name, home in _HOMES.items()}, globals()
+)
