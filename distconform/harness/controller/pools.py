@@ -117,20 +117,22 @@ class PoolManager:
         """
         started = time.monotonic()
         ends_at = None if must_end_by is None else must_end_by.ends_at
-        start_budget = None if ends_at is None else max(1.0, ends_at - started)
+
+        def start_budget() -> float | None:
+            return None if ends_at is None else max(1.0, ends_at - time.monotonic())
+
         if fresh:
             # Ranks of its own: not the warm ones that earlier tests ran on.
             self._discard(key, recycled=False)
         retried: str | None = None
         try:
-            pool = self._acquire(key, start_budget, fresh)
+            pool = self._acquire(key, start_budget(), fresh)
         except PoolStartFailure as first:
             # Before the test body: the ranks could not start or join their group, which
             # is the machine's failure, not the test's. One retry on a fresh pool, shown.
             retried = str(first)
-            budget = None if ends_at is None else max(1.0, ends_at - time.monotonic())
             try:
-                pool = self._acquire(key, budget, fresh)
+                pool = self._acquire(key, start_budget(), fresh)
             except PoolStartFailure as second:
                 return RunResult(
                     results=second.results,
