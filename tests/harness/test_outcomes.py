@@ -31,6 +31,8 @@ def test_exception_on_one_rank_is_the_primary_failure(world_size):
     assert primary.outcome is Outcome.FAILED
     assert "deliberate failure on rank" in primary.traceback
     assert "raise ValueError" in primary.traceback
+    # The traceback starts at the test body: the harness's frames that called it are dropped.
+    assert "distconform/harness" not in primary.traceback, primary.traceback
     peers = [r for r in run.results if r.rank != bad]
     assert all(r.outcome is Outcome.ABORTED_BY_PEER for r in peers), run.results
     text = render_failure(run, context="ctx", reproducer="repro")

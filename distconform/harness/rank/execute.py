@@ -162,6 +162,6 @@ def _user_frames(tb: Any) -> Any:
 
 def _is_harness_frame(frame: Any) -> bool:
     name = frame.f_globals.get("__name__", "")
-    return name.startswith(("harness.", "importlib")) or frame.f_code.co_filename.startswith(
+    return name.startswith(("distconform.harness.", "importlib")) or frame.f_code.co_filename.startswith(
         "<frozen importlib"
     )
