@@ -99,6 +99,30 @@ def registered_group_name(group: torch.distributed.ProcessGroup) -> str:
     return distributed_c10d._world.pg_names[group]
 
 
+AUDITS["process_group_count"] = Audit(
+    reads="distributed_c10d._world.group_count: the counter _process_group_name turns into the "
+    "next numbered group's name (str(group_count)), the key prefix of that group's rendezvous "
+    "in the default group's store.",
+    versions={
+        V2_11: "same: group_count property :687; incremented for numbered names only :5174",
+        V2_12: "same: property :702; numbered names only :5374",
+        V2_13: "same: property :746; numbered names only :5493 (baseline)",
+        V2_14: "changed: property :1297; incremented for hashed names too :6527 (the hashed "
+        "name's salt), so ranks that create a group by local synchronisation diverge",
+        V2_15: "same as 2.14: property :1451; both paths :6770",
+    },
+)
+
+
+def process_group_count() -> int:
+    """How many groups this process's c10d world has numbered so far: the next numbered
+    group is named after it, on every rank alike only while the counts are equal."""
+    require_audited_torch("process_group_count")
+    from torch.distributed import distributed_c10d
+
+    return distributed_c10d._world.group_count
+
+
 AUDITS["iter_non_default_groups"] = Audit(
     reads="public dist.group.WORLD, which _WorldMeta.WORLD reads from _world.default_pg, and "
     "live_process_groups; relies on WORLD being the same object as the default pg_map key.",

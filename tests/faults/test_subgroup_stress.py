@@ -105,6 +105,58 @@ STRESS_MODULE = textwrap.dedent(
     """
 )
 
+STALE_NAMES_MODULE = textwrap.dedent(
+    """
+    import pytest
+    import torch
+    import torch.distributed as dist
+
+
+    def _all_reduce_on(group):
+        value = torch.ones(1)
+        dist.all_reduce(value, group=group)
+        assert value.item() == dist.get_world_size(group)
+
+
+    @pytest.mark.world_size(4)
+    def test_only_the_members_make_a_group(rank_ctx):
+        # Legal without local synchronisation too: rank 0 never calls new_group, so its
+        # group counter stays one behind the others'.
+        if dist.get_rank() != 0:
+            _all_reduce_on(dist.new_group([1, 2, 3]))
+
+
+    @pytest.mark.world_size(4)
+    def test_every_rank_makes_a_group(rank_ctx):
+        _all_reduce_on(dist.new_group())
+
+
+    @pytest.mark.world_size(4)
+    @pytest.mark.parametrize("index", range(2))
+    def test_a_group_by_local_synchronisation(rank_ctx, index):
+        _all_reduce_on(dist.new_group([0, 1, 2, 3], use_local_synchronization=True))
+
+
+    @pytest.mark.world_size(4)
+    def test_every_rank_makes_a_group_again(rank_ctx):
+        _all_reduce_on(dist.new_group())
+    """
+)
+
+
+def test_a_pool_whose_next_group_names_are_stale_is_replaced(pytester):
+    # Without the replacement, the second test fails in new_group: rank 0 reads the keys
+    # the first test's group left under that name (connectFullMesh to closed ports) while
+    # ranks 1-3 wait for it under the next name; and the second local-synchronisation test
+    # reads the first one's keys, whose hashed name comes back.
+    pytester.makepyfile(test_stale=STALE_NAMES_MODULE)
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-v", "--dist-deadline", "30")
+    result.assert_outcomes(passed=5)
+    # One pool for the first test, one after it, one after each local-synchronisation test;
+    # none counts as a pool a test left broken.
+    assert "started 4 rank pool(s); 0 replaced" in result.stdout.str()
+
+
 BUSY = "while True: pass"
 
 

@@ -17,6 +17,7 @@ CALLS = {
     "live_process_groups": (),
     "registered_group_name": (None,),
     "iter_non_default_groups": (),
+    "process_group_count": (),
     "install_thread_local_c10d_world": (),
     "uninstall_thread_local_c10d_world": (),
     "thread_local_c10d_world_installed": (),
@@ -95,6 +96,14 @@ def test_registered_group_name_is_the_name_c10d_gave_the_group(rank_ctx):
     dist.barrier(group=subgroup)
     assert _torch_private.registered_group_name(subgroup) == subgroup.group_name
     assert _torch_private.registered_group_name(dist.group.WORLD) == dist.group.WORLD.group_name
+
+
+@pytest.mark.world_size(2)
+def test_process_group_count_names_the_next_numbered_group(rank_ctx):
+    before = _torch_private.process_group_count()
+    subgroup = dist.new_group([0, 1])
+    assert subgroup.group_name == str(before)
+    assert _torch_private.process_group_count() == before + 1
 
 
 def test_a_group_without_its_own_name_is_named_from_the_registry(monkeypatch):

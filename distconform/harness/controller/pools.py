@@ -3,8 +3,10 @@
 A pool is started lazily for the first test that needs its key and reused by every
 later test with the same key, across classes and files. A pool that saw anything
 other than a clean pass (failure, crash, hang, hygiene violation) is killed and
-dropped; the next test with that key gets a fresh one. Nothing is ever skipped
-because an earlier test broke a pool.
+dropped; the next test with that key gets a fresh one. So is a pool whose ranks would
+name their next process groups after an earlier group's keys in its store (their group
+counters differ, or a group got a hashed name), without a warning: the test did no wrong.
+Nothing is ever skipped because an earlier test broke a pool.
 """
 
 from __future__ import annotations
@@ -170,8 +172,10 @@ class PoolManager:
             for result in run.by_outcome(Outcome.HUNG):
                 # The headline quotes this note: it must not read as the test's own deadline.
                 result.note = f"{result.note or 'hung'}, {hung_suffix}"
-        if pool.broken or fresh:
+        if pool.broken or fresh or run.retire_pool:
             self._discard(key, recycled=pool.broken)
+        if run.retire_pool and not pool.broken:
+            run.harness_notes.append(f"the pool was replaced after the test: {run.retire_pool}")
         if retried is not None:
             run.infrastructure_retry = retried
             run.harness_notes.append(

@@ -104,6 +104,7 @@ def run_task_in_process(task: RankTask, ctx: RankContext, trace_dir: str | None)
         result.note = (
             f"rank {result.rank} exceeded its memory limit of {format_size(task.memory_limit)}"
         )
+    result.group_naming = hygiene.group_naming()
     result.hygiene = hygiene.clean_up_after_test(before, ctx.device_type)
     return result
 
@@ -162,6 +163,6 @@ def _user_frames(tb: Any) -> Any:
 
 def _is_harness_frame(frame: Any) -> bool:
     name = frame.f_globals.get("__name__", "")
-    return name.startswith(("distconform.harness.", "importlib")) or frame.f_code.co_filename.startswith(
-        "<frozen importlib"
-    )
+    return name.startswith(
+        ("distconform.harness.", "importlib")
+    ) or frame.f_code.co_filename.startswith("<frozen importlib")

@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from distconform.harness import _torch_private
 from distconform.harness.shared.environ import changed_variables, raw_environment
+from distconform.harness.shared.outcomes import GroupNaming
 
 # Threads that finish on their own shortly after a test (autograd, timers) get this
 # long before they count as leaked.
@@ -67,6 +68,20 @@ def clean_up_after_test(before: Snapshot, device_type: str = "cpu") -> list[str]
     groups are dropped with them, and one of those caches is per thread.
     """
     return _destroy_new_groups(before, device_type) + changes_to_the_process(before)
+
+
+def group_naming() -> GroupNaming | None:
+    """How this rank's c10d world will name its next groups: read before the test's groups
+    are destroyed (their hashed names go with them)."""
+    if not dist.is_initialized():
+        return None
+    hashed = (
+        _torch_private.registered_group_name(g) for g in _torch_private.iter_non_default_groups()
+    )
+    return GroupNaming(
+        counter=_torch_private.process_group_count(),
+        hashed=tuple(name for name in hashed if not name.isdigit()),
+    )
 
 
 def changes_to_the_process(before: Snapshot) -> list[str]:

@@ -70,6 +70,43 @@ def unbalanced_ledgers(ledgers: dict[int, GroupLedger]) -> list[str]:
     return problems
 
 
+@dataclass(frozen=True)
+class GroupNaming:
+    """How one rank's c10d world names the groups created after a test.
+
+    c10d keeps each group's rendezvous keys in the default group's store under the group's
+    name and never deletes them. A numbered name comes from a per-process counter, so it
+    is the same on every rank only while the ranks' counters are equal; a hashed name
+    (``new_group(..., use_local_synchronization=True)``) comes back in a later test. Either
+    way a later group on the same warm ranks would read an earlier group's keys: connect
+    to ports that are closed, while its peers wait under another name (issue 52).
+    """
+
+    #: c10d's group counter after the test: the number in the next numbered group's name.
+    counter: int
+    #: The hashed names of the groups the test created.
+    hashed: tuple[str, ...] = ()
+
+
+def stale_group_names(namings: dict[int, GroupNaming]) -> str | None:
+    """Why the next test on these ranks could read an earlier group's rendezvous keys;
+    None when it cannot."""
+    counters = {rank: naming.counter for rank, naming in namings.items()}
+    if len(set(counters.values())) > 1:
+        listed = ", ".join(f"rank {r}: {n}" for r, n in sorted(counters.items()))
+        return (
+            f"the ranks created different numbers of process groups ({listed}): the next "
+            f"group would get a different name on each rank"
+        )
+    hashed = sorted({name for naming in namings.values() for name in naming.hashed})
+    if hashed:
+        return (
+            f"the test created process groups by local synchronisation ({len(hashed)}, hashed "
+            f"names): a later group of the same ranks would get the same name"
+        )
+    return None
+
+
 @dataclass
 class RankResult:
     """One rank's account of one test. Times are ``time.monotonic()`` (system-wide on Linux)."""
@@ -95,6 +132,8 @@ class RankResult:
     #: Ledgers that balance across the ranks stand in for the between-tests barrier
     #: (harness/controller/process/pool.py).
     ledger: GroupLedger | None = None
+    #: How this rank's c10d world names the next groups; None without a default group.
+    group_naming: GroupNaming | None = None
     warnings: list = field(default_factory=list)
     #: The exception itself, for callers in the rank's own process (thread ranks); it
     #: never crosses a process boundary, where only its type, message and traceback go.
@@ -162,6 +201,9 @@ class RunResult:
     infrastructure_failure: str | None = None
     #: The infrastructure failure of a first attempt that was retried on a fresh pool.
     infrastructure_retry: str | None = None
+    #: Why the pool must not serve another test although the test was clean (its ranks
+    #: would name their next groups after stale store keys): replaced without a warning.
+    retire_pool: str | None = None
 
     @property
     def hygiene_violations(self) -> dict[int, list[str]]:

@@ -38,6 +38,7 @@ from distconform.harness.shared.outcomes import (
     RankResult,
     RunResult,
     needs_barrier,
+    stale_group_names,
     unbalanced_ledgers,
 )
 from distconform.harness.shared.protocol import (
@@ -332,10 +333,14 @@ class ProcessPool:
         if (comm_note := flight_files.diagnosis_note(traces, states)) is not None:
             notes.append(comm_note)
         self._attach_output(task, results, marks)
+        retire = None
         if any(r.outcome not in CLEAN_OUTCOMES or r.hygiene for r in results.values()):
             self.broken = True
         else:
             self._collect_between_tests_checks(results, min(BETWEEN_TESTS_TIMEOUT_S, deadline))
+            namings = {rank: r.group_naming for rank, r in results.items()}
+            if all(naming is not None for naming in namings.values()):
+                retire = stale_group_names(namings)
         return RunResult(
             results=sorted_results(results.values()),
             seed=task.seed,
@@ -343,6 +348,7 @@ class ProcessPool:
             started_at=started,
             finished_at=time.monotonic(),
             harness_notes=notes,
+            retire_pool=retire,
         )
 
     def _collect_between_tests_checks(self, results: dict[int, RankResult], timeout: float) -> None:
