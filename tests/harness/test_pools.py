@@ -278,37 +278,52 @@ def test_the_fork_server_starts_at_configure_when_the_last_session_had_distribut
     assert started == ["False", "True", "False"]
 
 
-def test_adoption_starts_the_fork_server_at_configure_before_pytest_imports_torch(pytester):
+def test_adoption_starts_the_fork_server_only_for_a_file_of_torchs_harness(pytester):
     pytester.makeconftest(
         """
-        import sys
-
         import pytest
 
         from distconform.harness.controller.process.spawning import shared_zygote
 
 
-        @pytest.hookimpl(hookwrapper=True)
-        def pytest_distconform_expects_ranks(config):
-            with open("torch_when_asked.txt", "a") as handle:
-                handle.write(f"{'torch' in sys.modules}\\n")
-            yield
+        def _record(when):
+            with open("fork_server.txt", "a") as handle:
+                handle.write(f"{when}={shared_zygote().pid is not None} ")
 
 
         @pytest.hookimpl(trylast=True)
         def pytest_configure(config):
-            with open("fork_server_at_configure.txt", "a") as handle:
-                handle.write(f"{shared_zygote().pid is not None}\\n")
+            _record("configure")
+
+
+        @pytest.hookimpl(trylast=True)
+        def pytest_collection_finish(session):
+            _record("collected")
+
+
+        @pytest.hookimpl(tryfirst=True)
+        def pytest_sessionfinish(session):
+            _record("finished")
+            with open("fork_server.txt", "a") as handle:
+                handle.write("\\n")
         """
     )
-    pytester.makepyfile(test_plain="def test_plain():\n    pass\n")
-    for adopt in (["--dist-adopt"], []):
-        args = ["-p", "no:cacheprovider", *adopt, "test_plain.py"]
+    plain = "import unittest\n\nclass TestPlain(unittest.TestCase):\n"
+    plain += "    def test_plain(self):\n        pass\n"
+    pytester.makepyfile(
+        test_plain=plain,
+        # Named in the text, as a module that subclasses torch's classes names them.
+        test_names_it=f"# a MultiProcessTestCase would be adopted here\n{plain}",
+    )
+    # Each file alone, the other one beside it.
+    for name in ("test_plain.py", "test_names_it.py"):
+        args = ["-p", "no:cacheprovider", "--dist-adopt", name]
         pytester.runpytest_subprocess(*args).assert_outcomes(passed=1)
-    # Every plugin's configure before the question left torch to the fork server.
-    assert (pytester.path / "torch_when_asked.txt").read_text().split() == ["False", "False"]
-    started = (pytester.path / "fork_server_at_configure.txt").read_text().split()
-    assert started == ["True", "False"]
+    plain_run, named_run = (pytester.path / "fork_server.txt").read_text().splitlines()
+    # No test of the plain file needs ranks: no fork server, at any point of the session.
+    assert plain_run.split() == ["configure=False", "collected=False", "finished=False"]
+    # One that names torch's harness: started while the file is collected, not at configure.
+    assert named_run.split() == ["configure=False", "collected=True", "finished=True"]
 
 
 def test_a_fresh_pool_test_gets_ranks_no_other_test_used(pytester, monkeypatch):

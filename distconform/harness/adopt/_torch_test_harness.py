@@ -55,6 +55,25 @@ THREAD_FAMILY = "thread"
 #: Bases that look like the family but run in the calling process: never adopted.
 _NOT_ADOPTED = ("LocalDTensorTestBase", "LocalDTensorOpTestBase", "MultiProcContinuousTest")
 
+#: The classes of torch's harness a test module subclasses, by name: a module whose text
+#: names none of them has nothing to adopt, unless it subclasses them through another module.
+FAMILY_BASE_NAMES = (
+    "MultiProcessTestCase",
+    "MultiThreadedTestCase",
+    "MultiProcContinuousTest",
+    "FSDPTest",
+    "FSDPTestMultiThread",
+    "DTensorTestBase",
+    "DTensorOpTestBase",
+    "DTensorContinuousTestBase",
+)
+
+
+def names_a_family_base(source: str) -> bool:
+    """Whether a module's source names a class of the adopted families (no import)."""
+    return any(name in source for name in FAMILY_BASE_NAMES)
+
+
 #: One audit per accessor (``file:line`` are in that release's ``torch/testing/_internal``).
 AUDITS: dict[str, Audit] = {}
 

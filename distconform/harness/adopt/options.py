@@ -47,12 +47,6 @@ def adoption_requested(config: pytest.Config) -> bool:
     return bool(adopt or (adopt is None and config.getini("dist_adopt")))
 
 
-@pytest.hookimpl(optionalhook=True)  # -p no:distconform leaves the hook undeclared
-def pytest_distconform_expects_ranks(config: pytest.Config) -> bool | None:
-    # A session that adopts torch's classes is there to run them on ranks.
-    return True if adoption_requested(config) else None
-
-
 @pytest.hookimpl(trylast=True)  # after distconform.harness.plugin has stored the session's settings
 def pytest_configure(config: pytest.Config) -> None:
     if adoption_requested(config):

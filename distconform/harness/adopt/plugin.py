@@ -39,7 +39,11 @@ from distconform.harness._pytest_private import skip_at_the_items_location
 from distconform.harness.adopt import _torch_test_harness as torch_harness
 from distconform.harness.adopt.rank import run_adopted_method
 from distconform.harness.controller.config import THREADED_BACKEND
-from distconform.harness.controller.item_runner import RUN_KEY, run_item_body
+from distconform.harness.controller.item_runner import (
+    RUN_KEY,
+    run_item_body,
+    start_fork_server_soon,
+)
 from distconform.harness.controller.item_settings import PoolChoice, resolve_item_settings
 from distconform.harness.controller.launcher_registry import THREAD, launcher_named
 from distconform.harness.controller.session import ITEM_WORLD_SIZE_KEY, settings_of
@@ -67,6 +71,29 @@ def pytest_configure(config: pytest.Config) -> None:
     config.stash[_BROKE_CONTRACT_KEY] = {}
     config.stash[_WARNED_KEY] = set()
     config.stash[_OWN_WORLD_CLASSES_KEY] = set()
+
+
+def pytest_collectstart(collector: pytest.Collector) -> None:
+    """A test module that names a class of torch's harness will most likely need ranks:
+    their fork server starts before the module is imported, its torch import beside the
+    module's own, with what torch's test package loads in the ranks (``warm``). A session
+    of plain ``TestCase`` modules never starts it. (Not at ``pytest_collect_file``, which
+    also sees the files beside a file named on the command line.)"""
+    if not isinstance(collector, pytest.Module):
+        return
+    try:
+        source = collector.path.read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return
+    if torch_harness.names_a_family_base(source):
+        start_fork_server_soon(collector.config, warm=True)
+
+
+@pytest.hookimpl(tryfirst=True)  # before the harness's own start, which is not warm
+def pytest_itemcollected(item: pytest.Item) -> None:
+    # A class found through a base in another module: its ranks load the same.
+    if isinstance(item, AdoptedMethod):
+        start_fork_server_soon(item.config, warm=True)
 
 
 @pytest.hookimpl(tryfirst=True)

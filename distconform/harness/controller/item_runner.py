@@ -107,6 +107,14 @@ def prestart_if_expected(config: pytest.Config) -> None:
         _start_fork_server(config, requested_launcher(config), warm=bool(announced))
 
 
+def start_fork_server_soon(config: pytest.Config, warm: bool = False) -> None:
+    """Start the rank fork server now, unless this session already has: for a plugin that
+    learns during collection that ranks will be needed (``--dist-adopt`` finding a class of
+    torch's harness), so that their start overlaps the rest of collection."""
+    if not config.stash.get(PRESTARTED_KEY, False):
+        _start_fork_server(config, settings_of(config).launcher, warm)
+
+
 def _start_fork_server(config: pytest.Config, launcher: str, warm: bool = False) -> None:
     """Start it once per session, for the launchers that fork ranks from it, and never for
     a session that only collects; ``warm``: see ``Zygote.prestart``."""
