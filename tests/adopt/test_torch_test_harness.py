@@ -11,13 +11,16 @@ import pytest
 import torch
 from torch.testing._internal.common_distributed import (  # the module under audit reads these
     TEST_SKIPS,
+    MultiProcContinuousTest,
     MultiProcessTestCase,
     MultiThreadedTestCase,
 )
 from torch.testing._internal.common_fsdp import FSDPTest, FSDPTestMultiThread
 from torch.testing._internal.distributed._tensor.common_dtensor import (
+    DTensorContinuousTestBase,
     DTensorOpTestBase,
     DTensorTestBase,
+    LocalDTensorContinuousTestBase,
     LocalDTensorTestBase,
 )
 
@@ -41,14 +44,37 @@ class _Process(MultiProcessTestCase):
         raise SystemExit(77)  # TEST_SKIPS' code for "fewer than 2 devices" in every release
 
 
+class _Continuous(MultiProcContinuousTest):
+    world_size = 2
+
+    def test_x(self):
+        pass
+
+
+class _ContinuousOnTheDeviceCount(MultiProcContinuousTest):
+    def test_x(self):
+        pass
+
+
+class _ContinuousWithoutItsBackend(MultiProcContinuousTest):
+    world_size = 3
+
+    @classmethod
+    def backend_str(cls):
+        return "mpi"
+
+
 def test_families_of_the_base_classes():
     assert torch_harness.family_of(_Process) == torch_harness.PROCESS_FAMILY
     for process in (FSDPTest, DTensorTestBase):
         assert torch_harness.family_of(process) == torch_harness.PROCESS_FAMILY
     for threaded in (MultiThreadedTestCase, FSDPTestMultiThread, DTensorOpTestBase):
         assert torch_harness.family_of(threaded) == torch_harness.THREAD_FAMILY
-    # Runs in the calling process on a fake backend: left to pytest's unittest plugin.
+    for continuous in (MultiProcContinuousTest, DTensorContinuousTestBase, _Continuous):
+        assert torch_harness.family_of(continuous) == torch_harness.CONTINUOUS_FAMILY
+    # Run in the calling process on a fake backend: left to pytest's unittest plugin.
     assert torch_harness.family_of(LocalDTensorTestBase) is None
+    assert torch_harness.family_of(LocalDTensorContinuousTestBase) is None
     assert torch_harness.family_of(unittest.TestCase) is None
     assert torch_harness.is_fsdp_test(FSDPTest) and not torch_harness.is_fsdp_test(_Process)
     assert torch_harness.is_dtensor_test(DTensorTestBase)
@@ -81,6 +107,39 @@ def test_world_size_instance_and_skip_exit_codes():
         torch_harness.call_test_method(instance, "test_x")
     assert str(skipped.value) == f"{_too_few_devices_message(2)} (exit code 77)"
     assert torch_harness.skip_reason(1) is None
+
+
+def test_a_continuous_classs_world_is_what_its_parent_would_spawn():
+    assert torch_harness.continuous_world(_Continuous) == torch_harness.ContinuousWorld(2)
+    # No world_size: its parent spawns one worker per device of the class's device type.
+    assert torch_harness.continuous_world(_ContinuousOnTheDeviceCount).world_size == (
+        torch.get_device_module("cpu").device_count()
+    )
+    assert torch_harness.continuous_world(_ContinuousWithoutItsBackend) == (
+        torch_harness.ContinuousWorld(3, "Backend 'mpi' is not available")
+    )
+
+
+def test_a_continuous_instance_takes_the_classs_rank_and_world_size(monkeypatch):
+    class _Joined(_Continuous):
+        pass
+
+    calls = []
+    monkeypatch.setattr(
+        _Joined, "_init_pg", classmethod(lambda cls, *args: calls.append((cls, *args)))
+    )
+    torch_harness.join_continuous_world(_Joined, 1, 2, "/tmp/x")
+    assert calls == [(_Joined, 1, 2, "/tmp/x")]
+    assert (_Joined.rank, _Joined.world_size) == (1, 2)
+    instance = torch_harness.build_continuous_instance(_Joined, "test_x")
+    assert (instance.rank, instance.world_size) == (1, 2)
+
+    def skip(cls, *args):
+        raise SystemExit(77)
+
+    monkeypatch.setattr(_Joined, "_init_pg", classmethod(skip))
+    with pytest.raises(unittest.SkipTest, match="exit code 77"):
+        torch_harness.join_continuous_world(_Joined, 0, 2, "/tmp/x")
 
 
 def test_the_skip_key_is_chosen_for_every_release():
@@ -119,6 +178,9 @@ CALLS = {
     "skip_reason": (77,),
     "call_test_method": (None, "test_x"),
     "run_per_thread_hooks": (None, None),
+    "continuous_world": (_Continuous,),
+    "join_continuous_world": (_Continuous, 0, 2, "/tmp/x"),
+    "build_continuous_instance": (_Continuous, "test_x"),
 }
 
 (

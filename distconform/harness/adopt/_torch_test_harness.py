@@ -21,9 +21,18 @@ that takes, audited on torch 2.13 (``common_distributed.py`` line numbers):
   ``unittest.SkipTest``; torch's parent turns rank 0's code back into ``SkipTest`` (1240).
 - ``MultiThreadedTestCase`` runs ``perThreadSetUp`` / ``perThreadTearDown`` around the body on
   each rank thread (1556) and gives each thread torch's precision settings (``_tls``, 1547).
-- Classes that never spawn (``LocalDTensorTestBase``, ``LocalDTensorOpTestBase``: they run in
-  the calling process on a fake backend) and ``MultiProcContinuousTest`` (its own warm
-  workers, class-level rank) are not adopted: pytest runs them as it always did.
+- ``MultiProcContinuousTest`` (``DTensorContinuousTestBase``) keeps one world per class: its
+  parent spawns ``world_size`` workers at the class's first test (``_ensure_processes_spawned``,
+  2042: the class's device type, ``_get_world_size``, a skip when its backend is missing);
+  each worker sets the class's ``rank`` and ``world_size``, runs the class's ``_init_pg``
+  (1859: ``LOCAL_RANK``, a ``FileStore``, ``init_process_group`` with ``backend_str()``,
+  ``opts()``, ``timeout``; ``cls.pg``) once, then per test builds ``cls(name)``, sets the
+  instance's ``rank`` and ``world_size``, seeds with ``set_rng_seed()`` and calls the method
+  (``_run_test_given_id``, 1879), without ``setUp``. After a failure the parent skips the
+  class's remaining tests (``poison_pill``, 2165).
+- Classes that never spawn (``LocalDTensorTestBase``, ``LocalDTensorOpTestBase``,
+  ``LocalDTensorContinuousTestBase``: they run in the calling process on a fake backend) are
+  not adopted: pytest runs them as it always did.
 
 The line numbers above are torch 2.13's; ``AUDITS`` says, per accessor, what each release of
 the window (``harness/torch_window.py``) has. Each function calls :func:`require_audited_torch`
@@ -38,6 +47,7 @@ from __future__ import annotations
 import sys
 import threading
 import unittest
+from dataclasses import dataclass
 from typing import Any
 
 from distconform.harness import torch_window
@@ -52,8 +62,9 @@ _COMMON_UTILS = "torch.testing._internal.common_utils"
 
 PROCESS_FAMILY = "process"
 THREAD_FAMILY = "thread"
+CONTINUOUS_FAMILY = "continuous"
 #: Bases that look like the family but run in the calling process: never adopted.
-_NOT_ADOPTED = ("LocalDTensorTestBase", "LocalDTensorOpTestBase", "MultiProcContinuousTest")
+_NOT_ADOPTED = ("LocalDTensorTestBase", "LocalDTensorOpTestBase", "LocalDTensorContinuousTestBase")
 
 #: The classes of torch's harness a test module subclasses, by name: a module whose text
 #: names none of them has nothing to adopt, unless it subclasses them through another module.
@@ -67,11 +78,6 @@ FAMILY_BASE_NAMES = (
     "DTensorOpTestBase",
     "DTensorContinuousTestBase",
 )
-
-
-def names_a_family_base(source: str) -> bool:
-    """Whether a module's source names a class of the adopted families (no import)."""
-    return any(name in source for name in FAMILY_BASE_NAMES)
 
 
 #: One audit per accessor (``file:line`` are in that release's ``torch/testing/_internal``).
@@ -91,8 +97,9 @@ def _loaded(module: str, accessor: str) -> Any | None:
 
 
 AUDITS["family_of"] = Audit(
-    reads="common_distributed.MultiThreadedTestCase and MultiProcessTestCase, and the class "
-    "names LocalDTensorTestBase, LocalDTensorOpTestBase, MultiProcContinuousTest in the MRO.",
+    reads="common_distributed.MultiThreadedTestCase, MultiProcessTestCase and "
+    "MultiProcContinuousTest, and the class names LocalDTensorTestBase, LocalDTensorOpTestBase, "
+    "LocalDTensorContinuousTestBase in the MRO.",
     versions={
         V2_11: "same: common_distributed.py:758/:1317/:1690; common_dtensor.py:757/:819 "
         "(DTensorTestBase subclasses MultiProcessTestCase directly)",
@@ -106,7 +113,8 @@ AUDITS["family_of"] = Audit(
 
 def family_of(cls: type) -> str | None:
     """``"process"`` for a ``MultiProcessTestCase`` subclass, ``"thread"`` for a
-    ``MultiThreadedTestCase`` one, None for anything else (and for the classes above)."""
+    ``MultiThreadedTestCase`` one, ``"continuous"`` for a ``MultiProcContinuousTest`` one, None
+    for anything else (and for the classes above)."""
     common = _loaded(_COMMON_DISTRIBUTED, "family_of")
     if common is None or not isinstance(cls, type):
         return None
@@ -116,6 +124,8 @@ def family_of(cls: type) -> str | None:
         return THREAD_FAMILY
     if issubclass(cls, common.MultiProcessTestCase):
         return PROCESS_FAMILY
+    if issubclass(cls, common.MultiProcContinuousTest):
+        return CONTINUOUS_FAMILY
     return None
 
 
@@ -344,3 +354,116 @@ def run_per_thread_hooks(instance: Any, body: Any) -> None:
         body()
     finally:
         instance.perThreadTearDown()
+
+
+# --- MultiProcContinuousTest: one world per class ---------------------------------------------
+
+
+@dataclass(frozen=True)
+class ContinuousWorld:
+    """What a continuous class's parent decides before its first test: its world size, and
+    why none of its tests can run here (its own harness's skip), if so."""
+
+    world_size: int
+    skip_reason: str | None = None
+
+
+AUDITS["continuous_world"] = Audit(
+    reads="MultiProcContinuousTest._ensure_processes_spawned's choice of the device type (the "
+    "class's own device_type: a classmethod, a property read on the class, a callable or a "
+    "string), its _get_world_size(device_type) (a property read on a bare instance; -2: the "
+    "device count, SkipTest without devices), backend_str() and the c10d is_*_available "
+    "check that skips the class, all before it spawns.",
+    versions={
+        V2_11: "same: _get_world_size :1883, _ensure_processes_spawned :1916 (same order and "
+        "checks as 2.13's)",
+        V2_12: "same: :1912, :1945",
+        V2_13: "same: _get_world_size :2009, _ensure_processes_spawned :2042-2087 (baseline)",
+        V2_14: "same: :2036, :2069; a torchcomms subclass's backend_str reads device_type (:2257)",
+        V2_15: "same: :2085, :2118",
+    },
+)
+
+_BACKEND_AVAILABLE = {
+    "nccl": "is_nccl_available",
+    "gloo": "is_gloo_available",
+    "mpi": "is_mpi_available",
+    "ucc": "is_ucc_available",
+    "xccl": "is_xccl_available",
+}
+
+
+def continuous_world(cls: type) -> ContinuousWorld:
+    """The class's world as its parent would spawn it, without spawning."""
+    require_audited_torch("continuous_world")
+    import torch.distributed as dist
+
+    attribute = cls.__dict__.get("device_type", cls.device_type)
+    if isinstance(attribute, classmethod):
+        device_type = attribute.__func__(cls)
+    elif isinstance(attribute, property):
+        device_type = attribute.fget(cls)
+    elif callable(attribute):
+        device_type = attribute()
+    else:
+        device_type = attribute
+    try:
+        world_size = int(cls._get_world_size(device_type))
+    except unittest.SkipTest as skip:
+        return ContinuousWorld(world_size=1, skip_reason=str(skip))
+    backend = cls.backend_str() if callable(cls.backend_str) else cls.backend_str
+    check = getattr(dist, _BACKEND_AVAILABLE.get(str(backend), ""), None)
+    if check is not None and not check():
+        return ContinuousWorld(world_size, f"Backend '{backend}' is not available")
+    return ContinuousWorld(world_size)
+
+
+AUDITS["join_continuous_world"] = Audit(
+    reads="cls.rank / cls.world_size (class attributes its worker sets), cls._init_pg(rank, "
+    "world_size, rdvz_file) (LOCAL_RANK, a FileStore, init_process_group, cls.pg), and the "
+    "TEST_SKIPS exit a _init_pg may end with (a skip of every test of the class).",
+    versions={
+        V2_11: "same: _worker_loop :1769 sets rank and world_size, then _init_pg :1733",
+        V2_12: "same: :1798, :1762",
+        V2_13: "same: _worker_loop :1895, _init_pg :1859 (baseline)",
+        V2_14: "same: :1919, :1883",
+        V2_15: "same: :1963, :1927",
+    },
+)
+
+
+def join_continuous_world(cls: type, rank: int, world_size: int, rendezvous_file: str) -> None:
+    """What the class's worker does once before its first test: the class's rank and world
+    size, and its ``_init_pg``; a ``TEST_SKIPS`` exit becomes SkipTest."""
+    require_audited_torch("join_continuous_world")
+    cls.rank = rank
+    cls.world_size = world_size
+    try:
+        cls._init_pg(rank, world_size, rendezvous_file)
+    except SystemExit as exc:
+        reason = skip_reason(exc.code)
+        if reason is None:
+            raise
+        raise unittest.SkipTest(reason) from None
+
+
+AUDITS["build_continuous_instance"] = Audit(
+    reads="cls(method_name), then the instance's rank and world_size from the class's, as "
+    "_run_test_given_id does.",
+    versions={
+        V2_11: "same: _run_test_given_id :1753-1767",
+        V2_12: "same: :1782-1796",
+        V2_13: "same: :1879-1893 (baseline)",
+        V2_14: "same: :1903-1917",
+        V2_15: "same: :1947-1961",
+    },
+)
+
+
+def build_continuous_instance(cls: type, method_name: str) -> Any:
+    """The instance a continuous class's worker builds for one test."""
+    require_audited_torch("build_continuous_instance")
+    instance = cls(method_name)
+    instance.rank = cls.rank
+    instance.world_size = cls.world_size
+    return instance

@@ -45,7 +45,7 @@ from distconform.harness.controller.item_runner import (
     start_fork_server_soon,
 )
 from distconform.harness.controller.item_settings import PoolChoice, resolve_item_settings
-from distconform.harness.controller.launcher_registry import THREAD, launcher_named
+from distconform.harness.controller.launcher_registry import PROCESS, THREAD, launcher_named
 from distconform.harness.controller.session import ITEM_WORLD_SIZE_KEY, settings_of
 from distconform.harness.shared.outcomes import RunResult
 
@@ -60,6 +60,8 @@ _WARNED_KEY = pytest.StashKey[set[str]]()
 _OWN_WORLD_KEY = pytest.StashKey[str]()
 #: The classes already named for initialising a world of their own (each once a session).
 _OWN_WORLD_CLASSES_KEY = pytest.StashKey[set[type]]()
+#: Continuous classes one of whose tests failed, and which: their later tests are skipped.
+_POISONED_KEY = pytest.StashKey[dict[type, str]]()
 
 
 class AdoptedClassWarning(pytest.PytestWarning):
@@ -71,6 +73,7 @@ def pytest_configure(config: pytest.Config) -> None:
     config.stash[_BROKE_CONTRACT_KEY] = {}
     config.stash[_WARNED_KEY] = set()
     config.stash[_OWN_WORLD_CLASSES_KEY] = set()
+    config.stash[_POISONED_KEY] = {}
 
 
 def pytest_collectstart(collector: pytest.Collector) -> None:
@@ -85,7 +88,7 @@ def pytest_collectstart(collector: pytest.Collector) -> None:
         source = collector.path.read_text(encoding="utf-8", errors="replace")
     except OSError:
         return
-    if torch_harness.names_a_family_base(source):
+    if any(name in source for name in torch_harness.FAMILY_BASE_NAMES):
         start_fork_server_soon(collector.config, warm=True)
 
 
@@ -118,7 +121,13 @@ def pytest_distconform_pool_choice(item: pytest.Item) -> PoolChoice | None:
     fresh = item.test_class in item.config.stash[_BROKE_CONTRACT_KEY]
     if item.on_rank_threads():
         return PoolChoice(launcher=THREAD, backend=THREADED_BACKEND, fresh=fresh)
-    return PoolChoice(fresh=fresh, own_world=_OWN_WORLD_KEY in item.stash)
+    # A continuous class keeps its rank in class attributes: one process per rank.
+    processes = item.continuous and settings_of(item.config).launcher == THREAD
+    return PoolChoice(
+        launcher=PROCESS if processes else None,
+        fresh=fresh,
+        own_world=_OWN_WORLD_KEY in item.stash,
+    )
 
 
 def pytest_distconform_reproducer_args(config: pytest.Config) -> list[str]:
@@ -131,6 +140,9 @@ class AdoptedClass(pytest.Collector):
     def __init__(self, *, obj: type, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.obj = obj
+        self.continuous = torch_harness.family_of(obj) == torch_harness.CONTINUOUS_FAMILY
+        #: A continuous class's world, as its parent decides it before spawning.
+        self.continuous_world = torch_harness.continuous_world(obj) if self.continuous else None
         _add_pytest_marks(self, obj)
 
     def collect(self) -> list[pytest.Item]:
@@ -138,6 +150,19 @@ class AdoptedClass(pytest.Collector):
             AdoptedMethod.from_parent(self, name=name)
             for name in unittest.TestLoader().getTestCaseNames(self.obj)
         ]
+
+    def setup(self) -> None:
+        """A continuous class's ``setUpClass`` runs in pytest's process before its first
+        test, as in its own parent (which then spawns; here the pool's ranks serve)."""
+        if self.continuous:
+            try:
+                self.obj.setUpClass()
+            except unittest.SkipTest as skip:
+                pytest.skip(str(skip))
+
+    def teardown(self) -> None:
+        if self.continuous:
+            self.obj.tearDownClass()
 
 
 class AdoptedMethod(pytest.Item):
@@ -156,8 +181,16 @@ class AdoptedMethod(pytest.Item):
                 self.add_marker(pytest.mark.skip(reason=holder.__unittest_skip_why__))
         if getattr(method, "__unittest_expecting_failure__", False):
             self.add_marker(pytest.mark.xfail(reason="unittest.expectedFailure", strict=True))
+        self.continuous = self.parent.continuous
+        world = self.parent.continuous_world
+        if world is not None and world.skip_reason is not None:
+            self.add_marker(pytest.mark.skip(reason=world.skip_reason))
         try:
-            world_size = torch_harness.declared_world_size(test_class, self.name)
+            world_size = (
+                world.world_size
+                if world is not None
+                else torch_harness.declared_world_size(test_class, self.name)
+            )
         except Exception as exc:
             raise self.CollectError(
                 f"{test_class.__qualname__}.world_size could not be read in pytest: {exc!r}"
@@ -170,6 +203,24 @@ class AdoptedMethod(pytest.Item):
         self.stash[ITEM_WORLD_SIZE_KEY] = world_size
 
     def runtest(self) -> None:
+        if not self.continuous:
+            self._runtest()
+            return
+        poisoned = self.config.stash[_POISONED_KEY]
+        if self.test_class in poisoned:
+            skip_at_the_items_location(
+                f"{poisoned[self.test_class]} failed: a MultiProcContinuousTest class skips "
+                f"its remaining tests after a failure, as under its own harness"
+            )
+        try:
+            self._runtest()
+        except pytest.skip.Exception:
+            raise
+        except BaseException:
+            poisoned[self.test_class] = f"{self.test_class.__qualname__}.{self.name}"
+            raise
+
+    def _runtest(self) -> None:
         if not self.config.getoption("dist_adopt_fsdp_on_cpu"):
             reason = torch_harness.own_precondition_skip(
                 self.test_class, self.stash[ITEM_WORLD_SIZE_KEY]

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import os
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -54,6 +55,8 @@ def run_adopted_method(
     test_class: type, method_name: str, file_name: str, world_size: int
 ) -> MethodOutcome:
     """Build the rank's instance of ``test_class`` and run ``method_name`` on it."""
+    if torch_harness.family_of(test_class) == torch_harness.CONTINUOUS_FAMILY:
+        return _run_continuous_method(test_class, method_name, file_name, world_size)
     rank = get_rank_context().rank
     instance = torch_harness.build_instance(test_class, method_name, rank, file_name)
     declared = int(instance.world_size)
@@ -81,6 +84,57 @@ def run_adopted_method(
         except OwnWorldNeeded as need:
             return MethodOutcome(differences, needs_own_world=str(need))
     return MethodOutcome(differences)
+
+
+def _run_continuous_method(
+    test_class: type, method_name: str, file_name: str, world_size: int
+) -> MethodOutcome:
+    """A ``MultiProcContinuousTest`` method, as the class's worker runs it: the class joins
+    its world once per rank process (its ``_init_pg``, whose init the pool's group serves),
+    then each test gets a new instance, torch's seed and the method, without ``setUp``.
+
+    Its ``_init_pg`` sets ``LOCAL_RANK``, which the class's tests may read: it is set while
+    each of them runs and put back after, so that the rank is unchanged between tests.
+    """
+    rank = get_rank_context().rank
+    with (
+        _local_rank_variable(rank),
+        serving_the_default_group(test_class.__qualname__, own_store=True) as differences,
+    ):
+        try:
+            if _continuous_classes.get(test_class, _NOT_JOINED) is not _default_group():
+                torch_harness.join_continuous_world(test_class, rank, world_size, file_name)
+                _continuous_classes[test_class] = _default_group()
+            instance = torch_harness.build_continuous_instance(test_class, method_name)
+            instance.subTest = functools.partial(_naming_the_subtest, instance.subTest)
+            torch_harness.seed_like_torch()
+            torch_harness.call_test_method(instance, method_name)
+        except OwnWorldNeeded as need:
+            return MethodOutcome(differences, needs_own_world=str(need))
+    return MethodOutcome(differences)
+
+
+#: The continuous classes that joined their world in this process, and the default group
+#: they joined (ranks of their own create a new one for each test: the class joins again).
+_continuous_classes: dict[type, Any] = {}
+_NOT_JOINED = object()
+
+
+def _default_group() -> Any:
+    return dist.group.WORLD if dist.is_initialized() else None
+
+
+@contextmanager
+def _local_rank_variable(rank: int) -> Iterator[None]:
+    saved = os.environ.get("LOCAL_RANK")
+    os.environ["LOCAL_RANK"] = str(rank)
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("LOCAL_RANK", None)
+        else:
+            os.environ["LOCAL_RANK"] = saved
 
 
 @contextmanager
@@ -119,13 +173,17 @@ _originals: dict[str, Callable[..., Any]] = {}
 
 
 @contextmanager
-def serving_the_default_group(class_name: str) -> Iterator[list[str]]:
+def serving_the_default_group(class_name: str, own_store: bool = False) -> Iterator[list[str]]:
     """While the block runs on this thread, serve init/destroy of the default group from
     the pool's group; yields the differences it noted (each once). On ranks without a
-    group of the pool's, the class's own calls go to torch's, as under its own harness."""
+    group of the pool's, the class's own calls go to torch's, as under its own harness.
+
+    ``own_store``: a store the init brings is its harness's rendezvous, which the pool's
+    group stands in for (``MultiProcContinuousTest._init_pg``'s ``FileStore``)."""
     _install()
     differences: list[str] = []
-    _serving.state = (class_name, differences) if dist.is_initialized() else None
+    state = _ServedClass(class_name, differences, own_store)
+    _serving.state = state if dist.is_initialized() else None
     try:
         yield differences
     finally:
@@ -150,7 +208,15 @@ def _install() -> None:
                 setattr(module, name, served)
 
 
-def _state() -> tuple[str, list[str]] | None:
+@dataclass(frozen=True)
+class _ServedClass:
+    name: str
+    differences: list[str]
+    #: Whether a store passed to its init is only its harness's rendezvous.
+    own_store: bool = False
+
+
+def _state() -> _ServedClass | None:
     return getattr(_serving, "state", None)
 
 
@@ -163,9 +229,11 @@ def _served_init(*args: Any, **kwargs: Any) -> None:
     state = _state()
     if state is None:
         return _originals["init_process_group"](*args, **kwargs)
-    class_name, _ = state
+    class_name = state.name
     asked = inspect.signature(_originals["init_process_group"]).bind_partial(*args, **kwargs)
-    asked = asked.arguments
+    asked = dict(asked.arguments)
+    if state.own_store:
+        asked.pop("store", None)
     rank, world_size = dist.get_rank(), dist.get_world_size()
     asked_size, asked_rank = asked.get("world_size", -1), asked.get("rank", -1)
     if asked_size not in (-1, None, world_size) or asked_rank not in (-1, None, rank):
@@ -208,10 +276,9 @@ def _served_destroy(group: Any = None, *args: Any, **kwargs: Any) -> None:
     state = _state()
     if state is None or (group is not None and group is not dist.group.WORLD):
         return _originals["destroy_process_group"](group, *args, **kwargs)
-    class_name, differences = state
     _note(
-        differences,
-        f"{class_name}: destroy_process_group() of the default group is left to the pool",
+        state.differences,
+        f"{state.name}: destroy_process_group() of the default group is left to the pool",
     )
     return None
 
