@@ -1,16 +1,17 @@
 """pytest side of ``--dist-adopt``: torch's distributed unittest classes as warm-pool items.
 
-Registered by :mod:`distconform.harness.adopt.options` when ``--dist-adopt`` (or ini ``dist_adopt``)
-is set. A ``unittest.TestCase`` class of the ``MultiProcessTestCase`` or ``MultiThreadedTestCase``
-family (:func:`~distconform.harness.adopt._torch_test_harness.family_of`) is collected by this
-plugin instead of pytest's unittest plugin: one :class:`AdoptedMethod` item per test method, with
-the node id pytest gives it anyway (``path::Class::test_method``), at the class's own
+Registered by :mod:`distconform.harness.adopt.options` when ``--dist-adopt`` (or ini
+``dist_adopt``) is set. A ``unittest.TestCase`` class of the ``MultiProcessTestCase``,
+``MultiThreadedTestCase`` or ``MultiProcContinuousTest`` family
+(:func:`~distconform.harness.adopt._torch_test_harness.family_of`) is collected by this plugin
+instead of pytest's unittest plugin: one :class:`AdoptedMethod` item per test method, with the
+node id pytest gives it anyway (``path::Class::test_method``), at the class's own
 ``world_size``. Running one sends :func:`distconform.harness.adopt.rank.run_adopted_method` to a
 warm pool of that size: the session's launcher for the process family, rank threads on the
-``threaded`` backend for a ``MultiThreadedTestCase`` on the CPU, as its own harness would run it
-(its tests may share Python objects between ranks). On an accelerator, where rank threads do not go,
-and under torchrun, it takes the session's ranks. Everything a distributed test gets applies:
-rank-consistent skips, the per-rank report, hang stacks, the reproduce command.
+``threaded`` backend for a ``MultiThreadedTestCase`` on the CPU, as its own harness would run
+it (its tests may share Python objects between ranks). On an accelerator, where rank threads
+do not go, and under torchrun, it takes the session's ranks. Everything a distributed test
+gets applies: rank-consistent skips, the per-rank report, hang stacks, the reproduce command.
 
 The class's own harness decides some skips before any method runs: ``FSDPTest`` skips when
 there are fewer accelerators than ranks, so on a CPU-only machine its methods are skipped
@@ -23,6 +24,10 @@ method is a skip at collection, ``@unittest.expectedFailure`` a strict xfail; py
 the class or the method (``deadline``, ``fresh_pool``, ``slow``...) apply as they would to a
 ``world_size`` test. A class whose test leaves a rank with state the hygiene check flags is
 named in an :class:`AdoptedClassWarning`, and its later tests each get a fresh pool.
+
+A ``MultiProcContinuousTest`` class keeps one world per class, as its own harness gives it:
+its ``setUpClass`` and ``tearDownClass`` run here, its parent's skips apply at collection,
+and after a failure its remaining tests are skipped (torch's ``poison_pill``).
 """
 
 from __future__ import annotations
