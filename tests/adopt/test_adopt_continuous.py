@@ -102,18 +102,23 @@ class TestDTensorContinuous(DTensorContinuousTestBase):
 """
 
 
-@pytest.fixture(scope="module")
-def adopted(tmp_path_factory) -> tuple[subprocess.CompletedProcess, dict[str, tuple[str, str]]]:
-    root = tmp_path_factory.mktemp("continuous")
+def run_continuous(root: Path, *args: str) -> subprocess.CompletedProcess:
+    """``pytest --dist-adopt *args`` on ``CONTINUOUS`` written into ``root``, as a user runs it."""
     (root / "test_continuous.py").write_text(CONTINUOUS)
     (root / "pytest.ini").write_text("[pytest]\n")
     environment = dict(os.environ)
     environment["PYTHONPATH"] = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
-    done = subprocess.run(
+    return subprocess.run(
         [sys.executable, "-m", "pytest", "test_continuous.py", "--dist-adopt", "-rA", "-v",
-         "--dist-peer-grace", "0.5", "--junitxml", "junit.xml", "-p", "no:cacheprovider"],
+         "--dist-peer-grace", "0.5", "-p", "no:cacheprovider", *args],
         cwd=root, env=environment, capture_output=True, text=True, timeout=300, check=False,
     )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def adopted(tmp_path_factory) -> tuple[subprocess.CompletedProcess, dict[str, tuple[str, str]]]:
+    root = tmp_path_factory.mktemp("continuous")
+    done = run_continuous(root, "--junitxml", "junit.xml")
     junit = root / "junit.xml"
     assert junit.exists(), done.stdout + done.stderr
     outcomes = {}
@@ -168,3 +173,10 @@ def test_a_class_whose_backend_is_missing_is_skipped_as_its_parent_skips_it(adop
     assert outcomes["TestWithoutItsBackend::test_never_runs"][1].endswith(
         "Backend 'mpi' is not available"
     )
+
+
+@pytest.mark.slow  # a second session of the sample; nightly
+def test_on_the_thread_launcher_a_continuous_class_runs_on_process_ranks(tmp_path):
+    done = run_continuous(tmp_path, "--launcher", "thread", "-k", "TestOneWorld")
+    # Its rank lives in class attributes, which rank threads would share.
+    assert "3 passed" in done.stdout, done.stdout + done.stderr

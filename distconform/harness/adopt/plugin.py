@@ -126,13 +126,14 @@ def pytest_distconform_pool_choice(item: pytest.Item) -> PoolChoice | None:
     fresh = item.test_class in item.config.stash[_BROKE_CONTRACT_KEY]
     if item.on_rank_threads():
         return PoolChoice(launcher=THREAD, backend=THREADED_BACKEND, fresh=fresh)
-    # A continuous class keeps its rank in class attributes: one process per rank.
-    processes = item.continuous and settings_of(item.config).launcher == THREAD
-    return PoolChoice(
-        launcher=PROCESS if processes else None,
-        fresh=fresh,
-        own_world=_OWN_WORLD_KEY in item.stash,
-    )
+    own_world = _OWN_WORLD_KEY in item.stash
+    settings = settings_of(item.config)
+    if item.continuous and settings.launcher == THREAD:
+        # It keeps its rank in class attributes: one process per rank, on the device's
+        # own backend (the rank threads' is in-process only).
+        backend = launcher_named(PROCESS).backend_for(None, settings.device_type)
+        return PoolChoice(launcher=PROCESS, backend=backend, fresh=fresh, own_world=own_world)
+    return PoolChoice(fresh=fresh, own_world=own_world)
 
 
 def pytest_distconform_reproducer_args(config: pytest.Config) -> list[str]:
