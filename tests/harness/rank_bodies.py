@@ -96,6 +96,17 @@ def build_2d_mesh_and_reduce() -> float:
     return value.item()
 
 
+def live_groups() -> int:
+    """How many process groups this rank's c10d world holds, the default group included."""
+    from distconform.harness import _torch_private
+
+    return len(_torch_private.live_process_groups())
+
+
+def destroy_the_default_group() -> None:
+    dist.destroy_process_group()
+
+
 def leak_a_thread() -> None:
     import threading
 

@@ -44,7 +44,8 @@ def test_creating_a_2d_mesh_is_not_a_leak(pools):
     result = run(pools, rank_bodies.build_2d_mesh_and_reduce)
     assert result.ok and result.values == [2.0] * 4
     assert result.hygiene_violations == {}
-    assert run(pools, rank_bodies.all_reduce_rank_sum).ok
+    # The mesh's groups are destroyed when the next test arrives, not before.
+    assert run(pools, rank_bodies.live_groups).values == [1] * 4
     assert pools.spawn_count == 1 and pools.recycle_count == 0
 
 
@@ -56,8 +57,9 @@ def test_creating_a_2d_mesh_is_not_a_leak(pools):
         (rank_bodies.leave_an_unmatched_collective, "default process group (rank 0: 1"),
         (rank_bodies.leave_an_unmatched_send, "rank 0 sent 1 message(s) to rank 1"),
         (rank_bodies.leak_a_torch_global, "torch default dtype changed"),
+        (rank_bodies.destroy_the_default_group, "default process group was destroyed"),
     ],
-    ids=["thread", "env", "unmatched-collective", "unmatched-send", "torch-global"],
+    ids=["thread", "env", "unmatched-collective", "unmatched-send", "torch-global", "world"],
 )
 def test_a_leak_recycles_the_pool_and_the_next_test_is_clean(pools, leak, expected):
     leaked = run(pools, leak)

@@ -87,6 +87,7 @@ def run_task_in_process(task: RankTask, ctx: RankContext, trace_dir: str | None)
     Used by the process launcher's ranks and by ranks started by torchrun; thread
     ranks share a process, so none of this can be per rank for them.
     """
+    left = hygiene.destroy_the_last_tests_groups(ctx.device_type)
     before = hygiene.take_snapshot()
     with (
         limited_memory(task.memory_limit),
@@ -105,7 +106,7 @@ def run_task_in_process(task: RankTask, ctx: RankContext, trace_dir: str | None)
             f"rank {result.rank} exceeded its memory limit of {format_size(task.memory_limit)}"
         )
     result.group_naming = hygiene.group_naming()
-    result.hygiene = hygiene.clean_up_after_test(before, ctx.device_type)
+    result.hygiene = left + hygiene.clean_up_after_test(before)
     return result
 
 

@@ -1,10 +1,14 @@
 """What a test may leave behind on a warm rank, and what it may not.
 
 Creating process groups is normal (HSDP and TP tests build meshes): the harness
-destroys every group a test created. A group that cannot be destroyed, a thread the
-test started and left running, an environment variable the test changed, or a
-default group that no longer works is a *hygiene violation*: the pool is recycled
-so the next test starts clean, and the test gets a warning naming the leak.
+destroys every group a test created, when the next test arrives. Not at the end of the
+test: a rank that finishes first would close its side of a group that a slower rank is
+still connecting (gloo's ``connectFullMesh`` then fails with "Connection closed by peer"
+on that rank, and its peers wait in the next group until their timeout: issue 52); the
+next test arrives only once every rank has finished this one. A group that cannot be
+destroyed, a thread the test started and left running, an environment variable the test
+changed, or a default group that no longer works is a *hygiene violation*: the pool is
+recycled so the next test starts clean, and the test gets a warning naming the leak.
 """
 
 from __future__ import annotations
@@ -61,13 +65,36 @@ def take_snapshot() -> Snapshot:
     )
 
 
-def clean_up_after_test(before: Snapshot, device_type: str = "cpu") -> list[str]:
-    """Destroy the groups the test created; return every hygiene violation found.
+#: The snapshot taken before the last test, whose groups are still to be destroyed.
+_last_test: Snapshot | None = None
+
+
+def clean_up_after_test(before: Snapshot) -> list[str]:
+    """Every hygiene violation the test left; its groups stay until the next test arrives
+    (:func:`destroy_the_last_tests_groups`)."""
+    global _last_test
+    _last_test = before
+    violations = changes_to_the_process(before)
+    if before.had_default_group and not dist.is_initialized():
+        violations.insert(0, "the default process group was destroyed by the test")
+    return violations
+
+
+def destroy_the_last_tests_groups(device_type: str = "cpu") -> list[str]:
+    """Destroy the groups the last test created, now that every rank has finished it;
+    return what could not be destroyed.
 
     Call it on the thread that ran the test: DTensor's caches of meshes over the destroyed
     groups are dropped with them, and one of those caches is per thread.
     """
-    return _destroy_new_groups(before, device_type) + changes_to_the_process(before)
+    global _last_test
+    before, _last_test = _last_test, None
+    if before is None:
+        return []
+    return [
+        f"after the previous test: {violation}"
+        for violation in _destroy_new_groups(before, device_type)
+    ]
 
 
 def group_naming() -> GroupNaming | None:
@@ -107,7 +134,7 @@ def _destroy_new_groups(before: Snapshot, device_type: str) -> list[str]:
             _release_destroyed_groups(device_type)
         return []
     if not dist.is_initialized():
-        return ["the default process group was destroyed by the test"]
+        return []  # reported when the test ended
     violations = []
     destroyed = 0
     for group in list(_torch_private.iter_non_default_groups()):
