@@ -36,6 +36,8 @@ MODULE = "harness/adopt/_torch_test_harness.py"
 
 
 class _Process(MultiProcessTestCase):
+    __test__ = False  # read by the accessors, never run by pytest's unittest plugin
+
     @property
     def world_size(self):
         return 3
@@ -45,6 +47,8 @@ class _Process(MultiProcessTestCase):
 
 
 class _Continuous(MultiProcContinuousTest):
+    __test__ = False  # read by the accessors, never run by pytest's unittest plugin
+
     world_size = 2
 
     def test_x(self):
@@ -52,11 +56,15 @@ class _Continuous(MultiProcContinuousTest):
 
 
 class _ContinuousOnTheDeviceCount(MultiProcContinuousTest):
+    __test__ = False  # read by the accessors, never run by pytest's unittest plugin
+
     def test_x(self):
         pass
 
 
 class _ContinuousWithoutItsBackend(MultiProcContinuousTest):
+    __test__ = False  # read by the accessors, never run by pytest's unittest plugin
+
     world_size = 3
 
     @classmethod
