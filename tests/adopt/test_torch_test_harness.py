@@ -119,9 +119,11 @@ def test_world_size_instance_and_skip_exit_codes():
 
 def test_a_continuous_classs_world_is_what_its_parent_would_spawn():
     assert torch_harness.continuous_world(_Continuous) == torch_harness.ContinuousWorld(2)
-    # No world_size: its parent spawns one worker per device of the class's device type.
+    # No world_size: its parent spawns one worker per device of the class's device type (the
+    # current accelerator's, the CPU without one; a session may have loaded the fake device).
+    device_type = _ContinuousOnTheDeviceCount.device_type()
     assert torch_harness.continuous_world(_ContinuousOnTheDeviceCount).world_size == (
-        torch.get_device_module("cpu").device_count()
+        torch.get_device_module(device_type).device_count()
     )
     assert torch_harness.continuous_world(_ContinuousWithoutItsBackend) == (
         torch_harness.ContinuousWorld(3, "Backend 'mpi' is not available")

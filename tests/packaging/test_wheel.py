@@ -166,8 +166,9 @@ def vendor_repository(root: Path) -> Path:
 
 def test_a_vendor_repository_with_packages_of_our_folder_names(installed, tmp_path):
     """Its own ``impl``, ``harness``, ``suites`` and ``conformance``: its tests pass with
-    distconform installed (plugins loaded), and distconform's commands run from inside it
-    with the checkout's quick selection and a verdict."""
+    distconform installed (plugins loaded), and distconform's command collects the
+    checkout's quick selection from inside it. (A run from inside it, to a verdict: the
+    reproduce test below; ``python -m distconform`` is the script: test_console_script.)"""
     _, python = installed
     vendor = vendor_repository(tmp_path / "vendor")
     own = run([python, "-m", "pytest", "-q"], vendor)
@@ -177,17 +178,6 @@ def test_a_vendor_repository_with_packages_of_our_folder_names(installed, tmp_pa
     script = python.parent / "distconform"
     checkout = quick_count([sys.executable, "-m", "distconform"], ROOT, tmp_path / "checkout")
     assert quick_count([script], vendor, tmp_path / "count") == checkout
-    assert quick_count([python, "-m", "distconform"], vendor, tmp_path / "count_m") == checkout
-
-    done = run(
-        [python, "-m", "distconform", "conformance", "--impl", "reference", "--quick",
-         "--out", "report", "-k", "test_training_parity"],
-        vendor,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
-    report = json.loads((vendor / "report" / "conformance.json").read_text())
-    assert report["summary"]["counts"]["PASS"] >= 1
-    assert report["summary"]["counts"]["FAIL"] == 0
 
 
 @pytest.mark.slow  # an end-to-end session of tens of seconds; nightly (tox -e slow) keeps it
@@ -266,3 +256,7 @@ def test_the_reproduce_command_of_an_installed_run_works_where_the_run_started(i
     assert "acme cannot reshard to a group of 2" in rerun, rerun[-3000:]
     report = json.loads((vendor / "again" / "conformance.json").read_text())
     assert [test["nodeid"] for test in report["tests"]] == [words[4]]
+    # The first run, from inside a repository with packages of our folders' names, passed
+    # the selection's other cases and reached a verdict.
+    first = json.loads((vendor / "report" / "conformance.json").read_text())
+    assert first["summary"]["counts"]["PASS"] >= 1 and first["summary"]["counts"]["FAIL"] >= 1
