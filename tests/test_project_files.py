@@ -40,7 +40,9 @@ def test_ci_runs_the_project_script():
     workflow = (WORKFLOWS / "ci.yml").read_text()
     assert re.search(r"^\s*run: bash \.ci/run\s*$", workflow, re.MULTILINE), workflow
     script = (ROOT / ".ci" / "run").read_text()
-    assert "python -m pytest\n" in script and "ruff check ." in script
+    assert "python -m pytest -n 2 --dist loadfile\n" in script and "ruff check ." in script
+    # The README's test command is the one CI runs.
+    assert "python -m pytest -n 2 --dist loadfile\n" in (ROOT / "README.md").read_text()
 
 
 def test_the_gpu_job_fails_when_its_gpus_are_not_visible():
