@@ -22,9 +22,7 @@ def _with_no_hypothesis_plugin(addopts: str | None) -> str:
 @pytest.fixture(scope="session", autouse=True)
 def _inner_sessions_without_hypothesis_plugin():
     with pytest.MonkeyPatch.context() as patch:
-        patch.setenv(
-            "PYTEST_ADDOPTS", _with_no_hypothesis_plugin(os.environ.get("PYTEST_ADDOPTS"))
-        )
+        patch.setenv("PYTEST_ADDOPTS", _with_no_hypothesis_plugin(os.environ.get("PYTEST_ADDOPTS")))
         yield
 
 
