@@ -13,10 +13,11 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import xml.etree.ElementTree as ElementTree
 from pathlib import Path
 
 import pytest
+
+from tests.adopt.junit_outcomes import method_outcomes
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -121,15 +122,7 @@ def adopted(tmp_path_factory) -> tuple[subprocess.CompletedProcess, dict[str, tu
     done = run_continuous(root, "--junitxml", "junit.xml")
     junit = root / "junit.xml"
     assert junit.exists(), done.stdout + done.stderr
-    outcomes = {}
-    for case in ElementTree.parse(junit).iter("testcase"):
-        name = f"{case.get('classname').rsplit('.', 1)[-1]}::{case.get('name')}"
-        child = next((c for c in case if c.tag in ("failure", "error", "skipped")), None)
-        outcomes[name] = (
-            "passed" if child is None else child.tag,
-            "" if child is None else (child.get("message") or ""),
-        )
-    return done, outcomes
+    return done, method_outcomes(junit)
 
 
 def test_each_method_is_an_item_with_the_outcome_its_own_harness_gives(adopted):
