@@ -99,7 +99,7 @@ def _run_continuous_method(
     rank = get_rank_context().rank
     with (
         _local_rank_variable(rank),
-        serving_the_default_group(test_class.__qualname__, own_store=True) as differences,
+        serving_the_default_group(test_class.__qualname__, store_is_rendezvous=True) as differences,
     ):
         try:
             if _continuous_classes.get(test_class, _NOT_JOINED) is not _default_group():
@@ -173,16 +173,18 @@ _originals: dict[str, Callable[..., Any]] = {}
 
 
 @contextmanager
-def serving_the_default_group(class_name: str, own_store: bool = False) -> Iterator[list[str]]:
+def serving_the_default_group(
+    class_name: str, store_is_rendezvous: bool = False
+) -> Iterator[list[str]]:
     """While the block runs on this thread, serve init/destroy of the default group from
     the pool's group; yields the differences it noted (each once). On ranks without a
     group of the pool's, the class's own calls go to torch's, as under its own harness.
 
-    ``own_store``: a store the init brings is its harness's rendezvous, which the pool's
-    group stands in for (``MultiProcContinuousTest._init_pg``'s ``FileStore``)."""
+    ``store_is_rendezvous``: a store the init brings is its harness's rendezvous, which the
+    pool's group stands in for (``MultiProcContinuousTest._init_pg``'s ``FileStore``)."""
     _install()
     differences: list[str] = []
-    state = _ServedClass(class_name, differences, own_store)
+    state = _ServedClass(class_name, differences, store_is_rendezvous)
     _serving.state = state if dist.is_initialized() else None
     try:
         yield differences
@@ -213,7 +215,7 @@ class _ServedClass:
     name: str
     differences: list[str]
     #: Whether a store passed to its init is only its harness's rendezvous.
-    own_store: bool = False
+    store_is_rendezvous: bool = False
 
 
 def _state() -> _ServedClass | None:
@@ -232,7 +234,7 @@ def _served_init(*args: Any, **kwargs: Any) -> None:
     class_name = state.name
     asked = inspect.signature(_originals["init_process_group"]).bind_partial(*args, **kwargs)
     asked = dict(asked.arguments)
-    if state.own_store:
+    if state.store_is_rendezvous:
         asked.pop("store", None)
     rank, world_size = dist.get_rank(), dist.get_world_size()
     asked_size, asked_rank = asked.get("world_size", -1), asked.get("rank", -1)
