@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import subprocess
 import xml.etree.ElementTree as ElementTree
 from pathlib import Path
 
 
-def method_outcomes(junit: Path) -> dict[str, tuple[str, str]]:
-    """``Class::method`` -> (``passed``, ``failure``, ``error`` or ``skipped``, its message)."""
+def method_outcomes(junit: Path, done: subprocess.CompletedProcess) -> dict[str, tuple[str, str]]:
+    """``Class::method`` -> (``passed``, ``failure``, ``error`` or ``skipped``, its message),
+    from the JUnit file the session ``done`` wrote (its output, if it wrote none)."""
+    assert junit.exists(), done.stdout + done.stderr
     outcomes = {}
     for case in ElementTree.parse(junit).iter("testcase"):
         name = f"{case.get('classname').rsplit('.', 1)[-1]}::{case.get('name')}"

@@ -120,9 +120,7 @@ def run_continuous(root: Path, *args: str) -> subprocess.CompletedProcess:
 def adopted(tmp_path_factory) -> tuple[subprocess.CompletedProcess, dict[str, tuple[str, str]]]:
     root = tmp_path_factory.mktemp("continuous")
     done = run_continuous(root, "--junitxml", "junit.xml")
-    junit = root / "junit.xml"
-    assert junit.exists(), done.stdout + done.stderr
-    return done, method_outcomes(junit)
+    return done, method_outcomes(root / "junit.xml", done)
 
 
 def test_each_method_is_an_item_with_the_outcome_its_own_harness_gives(adopted):

@@ -47,6 +47,8 @@ from __future__ import annotations
 import sys
 import threading
 import unittest
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -323,8 +325,16 @@ def call_test_method(instance: Any, method_name: str) -> None:
     reproduce command on failure (``python test_x.py Class.method``), which would sit next
     to the harness's and not reproduce the adopted run."""
     require_audited_torch("call_test_method")
-    try:
+    with _test_skips_as_skiptest():
         getattr(type(instance), method_name)(instance)
+
+
+@contextmanager
+def _test_skips_as_skiptest() -> Iterator[None]:
+    """A ``sys.exit`` with a ``TEST_SKIPS`` code (torch's children skip that way) becomes
+    ``unittest.SkipTest``; any other exit goes on."""
+    try:
+        yield
     except SystemExit as exc:
         reason = skip_reason(exc.code)
         if reason is None:
@@ -438,13 +448,8 @@ def join_continuous_world(cls: type, rank: int, world_size: int, rendezvous_file
     require_audited_torch("join_continuous_world")
     cls.rank = rank
     cls.world_size = world_size
-    try:
+    with _test_skips_as_skiptest():
         cls._init_pg(rank, world_size, rendezvous_file)
-    except SystemExit as exc:
-        reason = skip_reason(exc.code)
-        if reason is None:
-            raise
-        raise unittest.SkipTest(reason) from None
 
 
 AUDITS["build_continuous_instance"] = Audit(
