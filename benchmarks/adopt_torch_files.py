@@ -21,6 +21,12 @@ hash, its siblings there are importable, and the JSON records where it came from
 with one summary row per file: the tests passing under each harness, every test whose
 outcome differs (named), the session walls and their ratio, and the ratio over the tests
 that ran (passed or failed) under both harnesses, from their JUnit times.
+
+The machine is noisy (the same session varies by 2x between runs), so one pair decides
+nothing when the two walls are close: ``--pairs N`` gives a file whose first two walls differ
+by under ``--close`` (20 %) N pairs in all, each pair in the other order from the last (adopted
+first, then torch's harness first...). Its row then gives the median wall of each harness and
+the median of the pairs' ratios, and a test is a difference if its outcomes differ in any pair.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ import json
 import os
 import re
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -140,10 +147,18 @@ RAN = ("passed", "failed")
 _HANG = re.compile(r"\bhung\b|timed out|timing out|did not answer within", re.IGNORECASE)
 
 
+def session_pairs(result: dict) -> list[tuple[dict, dict]]:
+    """Each (torch's harness, adopted) pair of a file: the first two sessions, then the
+    interleaved repeats of ``--pairs``."""
+    first = (result["sessions"][0], result["sessions"][1])
+    return [first, *((r["torch"], r["adopt"]) for r in result.get("repeats", []))]
+
+
 def summary_row(result: dict) -> dict:
-    """One file's figures: torch's harness against the first adopted session."""
-    torch_run, adopted = result["sessions"][0], result["sessions"][1]
-    names = sorted(set(torch_run["tests"]) | set(adopted["tests"]))
+    """One file's figures: torch's harness against the adopted sessions, pair by pair."""
+    pairs = session_pairs(result)
+    torch_run, adopted = pairs[0]
+    names = sorted({name for pair in pairs for session in pair for name in session["tests"]})
 
     def outcome(session: dict, name: str) -> str:
         return session["tests"].get(name, ["not run"])[0]
@@ -157,24 +172,32 @@ def summary_row(result: dict) -> dict:
         hung = ", hung" if _HANG.search(message or "") else ""
         return f"{state} ({seconds:.1f} s{hung})"
 
-    differences = [
-        f"{name}: {how(torch_run, name)} under torch's harness, {how(adopted, name)} adopted"
-        for name in names
-        if outcome(torch_run, name) != outcome(adopted, name)
-    ]
+    differences = []
+    for name in names:
+        for index, (torch_session, adopted_session) in enumerate(pairs):
+            if outcome(torch_session, name) != outcome(adopted_session, name):
+                where = f" (pair {index + 1} of {len(pairs)})" if len(pairs) > 1 else ""
+                differences.append(
+                    f"{name}: {how(torch_session, name)} under torch's harness, "
+                    f"{how(adopted_session, name)} adopted{where}"
+                )
+                break
     both_ran = [
         name for name in names if outcome(torch_run, name) in RAN and outcome(adopted, name) in RAN
     ]
     torch_s = sum(torch_run["tests"][name][1] for name in both_ran)
     adopted_s = sum(adopted["tests"][name][1] for name in both_ran)
+    pair_ratios = [t["wall_s"] / a["wall_s"] for t, a in pairs if a["wall_s"]]
     return {
         "file": result["file"],
         "tests": len(names),
         "passed_torch": sum(outcome(torch_run, n) == "passed" for n in names),
         "passed_adopted": sum(outcome(adopted, n) == "passed" for n in names),
         "differences": differences,
-        "wall_torch_s": torch_run["wall_s"],
-        "wall_adopted_s": adopted["wall_s"],
+        "pairs": len(pairs),
+        "pair_ratios": pair_ratios,
+        "wall_torch_s": statistics.median(t["wall_s"] for t, _ in pairs),
+        "wall_adopted_s": statistics.median(a["wall_s"] for _, a in pairs),
         "ran_both": len(both_ran),
         "ran_both_torch_s": torch_s,
         "ran_both_adopted_s": adopted_s,
@@ -197,11 +220,16 @@ def format_summary(results: list[dict]) -> str:
         return f"{a / b:.1f}x" if a >= b else f"{a / b:.2g}x"
 
     for row in rows:
+        walls = f"{row['wall_torch_s']:.1f} / {row['wall_adopted_s']:.1f}"
+        wall_ratio = ratio(row["wall_torch_s"], row["wall_adopted_s"])
+        if row["pairs"] > 1:
+            each = ", ".join(f"{r:.2f}x" for r in row["pair_ratios"])
+            walls += f" (medians of {row['pairs']} interleaved pairs)"
+            wall_ratio = f"{statistics.median(row['pair_ratios']):.2f}x ({each})"
         lines.append(
             f"| {row['file']} | {row['tests']} | {row['passed_torch']} / {row['passed_adopted']} "
             f"| {'; '.join(row['differences']) or 'none'} "
-            f"| {row['wall_torch_s']:.1f} / {row['wall_adopted_s']:.1f} "
-            f"| {ratio(row['wall_torch_s'], row['wall_adopted_s'])} | {row['ran_both']} "
+            f"| {walls} | {wall_ratio} | {row['ran_both']} "
             f"| {row['ran_both_torch_s']:.1f} / {row['ran_both_adopted_s']:.1f} "
             f"| {ratio(row['ran_both_torch_s'], row['ran_both_adopted_s'])} |"
         )
@@ -271,6 +299,20 @@ def main(argv: list[str] | None = None) -> int:
         "--only", action="append", default=[], metavar="NAME", help="only this corpus file"
     )
     parser.add_argument(
+        "--pairs",
+        type=int,
+        default=1,
+        metavar="N",
+        help="N interleaved pairs in all for a file whose first pair's walls are close",
+    )
+    parser.add_argument(
+        "--close",
+        type=float,
+        default=0.2,
+        metavar="FRACTION",
+        help="walls this close (a fraction of the longer) get --pairs (default 0.2)",
+    )
+    parser.add_argument(
         "--from-json",
         type=Path,
         metavar="RESULTS",
@@ -308,6 +350,20 @@ def main(argv: list[str] | None = None) -> int:
             sessions.append(run_session(source, mode, args, options.timeout, siblings))
         print("\n".join(table(source.name, sessions)) + "\n", flush=True)
         result = {"file": source.name, "sessions": [asdict(s) for s in sessions]}
+        repeats = []
+        if close(torch_run.wall_s, sessions[1].wall_s, options.close):
+            for index in range(1, options.pairs):
+                order = ["adopt", "torch"] if index % 2 else ["torch", "adopt"]
+                print(
+                    f"running {source.name}: pair {index + 1} of {options.pairs} "
+                    f"({order[0]} first)...",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                pair = {m: run_session(source, m, args, options.timeout, siblings) for m in order}
+                repeats.append({"order": f"{order[0]} first"} | {m: asdict(pair[m]) for m in order})
+        if repeats:
+            result["repeats"] = repeats
         if origin is not None:
             result["origin"] = {k: origin[k] for k in ("repository", "path", "commit", "sha256")}
             result["pytest_args"] = args
@@ -316,6 +372,11 @@ def main(argv: list[str] | None = None) -> int:
             options.out.write_text(json.dumps(results, indent=1))
     print(format_summary(results))
     return 0
+
+
+def close(first: float, second: float, fraction: float) -> bool:
+    """Whether two walls differ by less than ``fraction`` of the longer."""
+    return abs(first - second) < fraction * max(first, second)
 
 
 def print_saved(path: Path) -> None:

@@ -191,6 +191,7 @@ CALLS = {
     "continuous_world": (_Continuous,),
     "join_continuous_world": (_Continuous, 0, 2, "/tmp/x"),
     "build_continuous_instance": (_Continuous, "test_x"),
+    "test_package_imports": ("import os\n",),
 }
 
 (
@@ -198,3 +199,22 @@ CALLS = {
     test_every_accessor_refuses_a_torch_outside_the_window,
     test_an_accessor_whose_audit_lacks_the_installed_release_is_refused,
 ) = audit_tests(torch_harness, MODULE, CALLS)
+
+
+def test_the_modules_of_torchs_test_package_a_file_imports_are_read_from_its_source():
+    source = """
+import os
+import torch.testing._internal.common_fsdp
+from torch.testing._internal.distributed._tensor.common_dtensor import DTensorTestBase
+from torch.testing._internal.common_utils import run_tests
+from torch.testing._internal.common_utils import TestCase
+from .helpers import thing
+import torch.distributed as dist
+"""
+    assert torch_harness.test_package_imports(source) == (
+        "torch.testing._internal.common_distributed",
+        "torch.testing._internal.common_fsdp",
+        "torch.testing._internal.distributed._tensor.common_dtensor",
+        "torch.testing._internal.common_utils",
+    )
+    assert torch_harness.test_package_imports("def broken(:\n") == ()

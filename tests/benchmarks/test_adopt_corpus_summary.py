@@ -67,3 +67,37 @@ def test_each_difference_is_named_with_both_times_and_a_hang_is_called_one():
 def test_the_summary_sums_the_files():
     table = _script().format_summary([RESULT, RESULT]).splitlines()
     assert table[-1].startswith("| **all** | 6 | 4 / 4 | 4 | 80.0 / 50.0 | 1.6x | 6 |")
+
+
+def _same_tests(mode: str, wall: float, outcome: str = "passed") -> dict:
+    return _session(
+        mode, wall, {"A::test_same": ["passed", 1.0, ""], "A::test_b": [outcome, 1, ""]}
+    )
+
+
+def test_a_file_with_close_walls_is_judged_on_the_medians_of_its_interleaved_pairs():
+    result = {
+        "file": "test_close.py",
+        "sessions": [_same_tests("torch", 10.0), _same_tests("adopt", 11.0)],
+        "repeats": [
+            {"order": "adopt first", "adopt": _same_tests("adopt", 8.0),
+             "torch": _same_tests("torch", 12.0)},
+            {"order": "torch first", "torch": _same_tests("torch", 9.0),
+             "adopt": _same_tests("adopt", 9.0, outcome="failed")},
+        ],
+    }  # fmt: skip
+    row = _script().summary_row(result)
+    assert (row["pairs"], row["wall_torch_s"], row["wall_adopted_s"]) == (3, 10.0, 9.0)
+    assert row["pair_ratios"] == [10 / 11, 1.5, 1.0]
+    # An outcome that differs in any pair is a difference, named with its pair.
+    assert row["differences"] == [
+        "A::test_b: passed (1.0 s) under torch's harness, failed (1.0 s) adopted (pair 3 of 3)"
+    ]
+    line = _script().format_summary([result]).splitlines()[2]
+    assert "| 10.0 / 9.0 (medians of 3 interleaved pairs) | 1.00x (0.91x, 1.50x, 1.00x) |" in line
+
+
+def test_only_walls_closer_than_the_fraction_get_more_pairs():
+    close = _script().close
+    assert close(10.0, 11.0, 0.2) and close(11.0, 10.0, 0.2)
+    assert not close(10.0, 12.5, 0.2) and not close(100.0, 10.0, 0.2)

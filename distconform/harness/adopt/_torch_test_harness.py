@@ -44,6 +44,7 @@ adopts nothing never pays for importing torch's test package.
 
 from __future__ import annotations
 
+import ast
 import sys
 import threading
 import unittest
@@ -96,6 +97,45 @@ def _loaded(module: str, accessor: str) -> Any | None:
     if found is not None:
         require_audited_torch(accessor)
     return found
+
+
+#: torch's test package, whose modules a rank imports with an adopted test module.
+_TEST_PACKAGE = "torch.testing._internal"
+
+
+AUDITS["test_package_imports"] = Audit(
+    reads="the package torch.testing._internal and its module common_distributed, where the "
+    "three families are defined (names only: the fork server imports them).",
+    versions={
+        V2_11: "same: common_distributed.py:758/:1317/:1690",
+        V2_12: "same: :787/:1346/:1719",
+        V2_13: "same: :874/:1443/:1816 (baseline)",
+        V2_14: "same: :898/:1467/:1840",
+        V2_15: "same: :930/:1500/:1884",
+    },
+)
+
+
+def test_package_imports(source: str) -> tuple[str, ...]:
+    """The modules of torch's test package that a test file's source imports, the family's
+    home first: what its ranks will load, for the fork server to load once before forking
+    them. Read from the source (never imported here); an unparsable file names none."""
+    require_audited_torch("test_package_imports")
+    try:
+        tree = ast.parse(source)
+    except (SyntaxError, ValueError):
+        return ()
+    # Where every family lives: 4 to 5 s of import on 2 cores (dynamo, the package's utils).
+    names = [_COMMON_DISTRIBUTED]
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            candidates = [node.module]
+        elif isinstance(node, ast.Import):
+            candidates = [alias.name for alias in node.names]
+        else:
+            continue
+        names += [name for name in candidates if name.startswith(f"{_TEST_PACKAGE}.")]
+    return tuple(dict.fromkeys(names))
 
 
 AUDITS["family_of"] = Audit(

@@ -84,7 +84,8 @@ def pytest_configure(config: pytest.Config) -> None:
 def pytest_collectstart(collector: pytest.Collector) -> None:
     """A test module that names a class of torch's harness will most likely need ranks:
     their fork server starts before the module is imported, its torch import beside the
-    module's own, with what torch's test package loads in the ranks (``warm``). A session
+    module's own, with what torch's test package loads in the ranks (``warm``) and, on the
+    CPU, the modules of torch's test package the module imports. A session
     of plain ``TestCase`` modules never starts it. (Not at ``pytest_collect_file``, which
     also sees the files beside a file named on the command line.)"""
     if not isinstance(collector, pytest.Module):
@@ -94,7 +95,11 @@ def pytest_collectstart(collector: pytest.Collector) -> None:
     except OSError:
         return
     if any(name in source for name in torch_harness.FAMILY_BASE_NAMES):
-        start_fork_server_soon(collector.config, warm=True)
+        # On the CPU its ranks start with the module's imports from torch's test package
+        # loaded; an accelerator's ranks import them after the fork.
+        on_cpu = settings_of(collector.config).device_type == "cpu"
+        preload = torch_harness.test_package_imports(source) if on_cpu else ()
+        start_fork_server_soon(collector.config, warm=True, preload=preload)
 
 
 @pytest.hookimpl(tryfirst=True)  # before the harness's own start, which is not warm

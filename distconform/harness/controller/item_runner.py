@@ -107,24 +107,28 @@ def prestart_if_expected(config: pytest.Config) -> None:
         _start_fork_server(config, requested_launcher(config), warm=bool(announced))
 
 
-def start_fork_server_soon(config: pytest.Config, warm: bool = False) -> None:
+def start_fork_server_soon(
+    config: pytest.Config, warm: bool = False, preload: tuple[str, ...] = ()
+) -> None:
     """Start the rank fork server now, unless this session already has: for a plugin that
     learns during collection that ranks will be needed (``--dist-adopt`` finding a class of
     torch's harness), so that their start overlaps the rest of collection."""
     if not config.stash.get(PRESTARTED_KEY, False):
-        _start_fork_server(config, settings_of(config).launcher, warm)
+        _start_fork_server(config, settings_of(config).launcher, warm, preload)
 
 
-def _start_fork_server(config: pytest.Config, launcher: str, warm: bool = False) -> None:
+def _start_fork_server(
+    config: pytest.Config, launcher: str, warm: bool = False, preload: tuple[str, ...] = ()
+) -> None:
     """Start it once per session, for the launchers that fork ranks from it, and never for
-    a session that only collects; ``warm``: see ``Zygote.prestart``."""
+    a session that only collects; ``warm`` and ``preload``: see ``Zygote.prestart``."""
     config.stash[PRESTARTED_KEY] = True
     try:
         starts_ranks = launcher_named(launcher).starts_ranks
     except ConfigError:
         return  # reported, as a usage error, at configure
     if starts_ranks and not config.option.collectonly:
-        shared_zygote().prestart(warm)
+        shared_zygote().prestart(warm, preload)
 
 
 @pytest.hookimpl(trylast=True)

@@ -117,7 +117,7 @@ class Zygote:
         """The fork server's process id, if it is running."""
         return self._process.pid if self._process is not None and not self._dead else None
 
-    def _ensure_started(self, warm: bool = False) -> socket.socket:
+    def _ensure_started(self, warm: bool = False, preload: tuple[str, ...] = ()) -> socket.socket:
         if self._sock is not None and not self._dead:
             return self._sock
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -129,7 +129,7 @@ class Zygote:
                 "distconform.harness.rank.zygote",
                 str(theirs.fileno()),
                 str(os.getpid()),
-                *([ZYGOTE_WARM_AT_ONCE] if warm else []),
+                *([ZYGOTE_WARM_AT_ONCE, *preload] if warm else []),
             ],
             stdin=subprocess.PIPE,
             pass_fds=(theirs.fileno(),),
@@ -163,15 +163,17 @@ class Zygote:
                     self._statuses[message["exited"]] = message["status"]
                 self._changed.notify_all()
 
-    def prestart(self, warm: bool = False) -> None:
+    def prestart(self, warm: bool = False, preload: tuple[str, ...] = ()) -> None:
         """Start the fork server now, without waiting for it: it imports torch while the
         parent goes on (collecting tests), so the first pool does not wait for both.
 
         ``warm``: it also loads, before its first fork, what it otherwise loads once idle
-        (:func:`distconform.harness.rank.zygote.warm_up`), for a session whose first ranks need it.
+        (:func:`distconform.harness.rank.zygote.warm_up`), for a session whose first ranks need it,
+        and the modules ``preload`` names (:func:`distconform.harness.rank.zygote.preload_modules`).
+        A fork server already running keeps what it loaded.
         """
         with self._lock:
-            self._ensure_started(warm)
+            self._ensure_started(warm, preload)
 
     def spawn(self, spec_json: str, env: dict[str, str], control_fd: int) -> ForkedRank:
         with self._lock:
