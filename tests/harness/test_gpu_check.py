@@ -96,6 +96,30 @@ def test_conformance_judge_reads_the_report_not_the_exit_status(tmp_path):
     assert steps.judge_conformance(_run(tmp_path / "empty")).status == FAIL
 
 
+def test_continuous_judge_needs_every_documented_outcome_and_adopted_a_rank(tmp_path):
+    failure = "rank 0 failed: AssertionError: 0 != -1 : cannot be right [ws 1, process/nccl/cuda]"
+    outcomes = {**steps.CONTINUOUS_EXPECTED}
+    good = [(name, outcome, "", 1.0) for name, outcome in outcomes.items()]
+    adopted = [(n, o, failure if o == "failed" else m, t) for n, o, m, t in good]
+    _junit(tmp_path / "adopted", *adopted)
+    verdict = steps.judge_continuous(adopted=True)(_run(tmp_path / "adopted"))
+    assert verdict.status == PASS and "rank 0 failed" in verdict.summary
+    torchs = [(n, o, "Process 0 exited with error code 10" if o == "failed" else m, t)
+              for n, o, m, t in good]  # fmt: skip
+    _junit(tmp_path / "torch", *torchs)
+    assert steps.judge_continuous(adopted=False)(_run(tmp_path / "torch")).status == PASS
+    # torch's wording is not the harness's report
+    assert steps.judge_continuous(adopted=True)(_run(tmp_path / "torch")).status == FAIL
+    not_poisoned = [(n, "passed" if o == "skipped" else o, m, t) for n, o, m, t in adopted]
+    _junit(tmp_path / "no-pill", *not_poisoned)
+    verdict = steps.judge_continuous(adopted=True)(_run(tmp_path / "no-pill"))
+    assert verdict.status == FAIL
+    assert "test_2_skipped_after_the_failure: passed, expected skipped" in verdict.summary
+    _junit(tmp_path / "missing", *adopted[1:])
+    verdict = steps.judge_continuous(adopted=True)(_run(tmp_path / "missing"))
+    assert "not run" in verdict.summary
+
+
 def test_faults_judge_needs_a_named_failure_a_timely_hang_and_a_pass_after(tmp_path):
     deadline = steps.HANG_DEADLINE_S
     good = (
@@ -192,6 +216,10 @@ def test_the_plan_has_every_step_of_the_issue_in_order():
     assert sum(longest_of_each_wave.values()) <= DEFAULT_BUDGET_S == 8 * 60
     shared = next(s for s in built if s.name == "conformance-torch-shared")
     assert "--dist-share-devices" in shared.argv and "2,4" in shared.argv
+    assert [s.name for s in built][-2:] == ["adopt-continuous", "adopt-continuous-torch"]
+    # torch's own worker processes never load a device distconform registers (the fake one).
+    fake = steps.build_steps(steps.Plan(sys.executable, "fakeaccel", None, "x"), Path("/out"))
+    assert [s.name for s in fake][-2:] == ["failure-and-hang", "adopt-continuous"]
 
 
 ONE_FAKE_DEVICE = {**os.environ, "FAKEACCEL_DEVICE_COUNT": "1"}

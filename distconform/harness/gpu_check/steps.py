@@ -22,6 +22,19 @@ PASS, FAIL, TIMEOUT, ERROR, SKIPPED = "pass", "fail", "timeout", "error", "skipp
 #: The tests of the harness on the device, and the failure/hang check (paths in the tree).
 ACCELERATOR_TESTS = "tests/accelerator/test_on_device.py"
 FAULT_TESTS = "tests/accelerator/faults_on_device.py"
+CONTINUOUS_TESTS = "tests/accelerator/adopted_continuous_on_device.py"
+#: Devices torch's own harness finds in the processes it spawns; another (the fake device, a
+#: plug-in's) exists only where distconform loaded it, so only the adopted run can use it.
+TORCH_OWN_DEVICES = ("cuda", "xpu", "hpu")
+#: Each of its tests and the outcome torch's harness documents for it: after the failure
+#: the class's remaining tests are skipped (its poison pill).
+CONTINUOUS_EXPECTED = {
+    "test_a_sum_of_ranks_on_the_device": "passed",
+    "test_b_rank_and_world_size_are_the_classs": "passed",
+    "test_a_sharded_arange_on_the_device": "passed",
+    "test_1_fails_on_the_last_rank": "failed",
+    "test_2_skipped_after_the_failure": "skipped",
+}
 #: The hang test's deadline (tests/accelerator/faults_on_device.py) and the most the report
 #: of it may take beyond that: the stack dump, the peer grace, a fresh pool for the next test.
 HANG_DEADLINE_S = 15.0
@@ -262,6 +275,38 @@ def judge_faults(run: StepRun) -> Verdict:
     )
 
 
+def judge_continuous(adopted: bool) -> Callable[[StepRun], Verdict]:
+    """The continuous sample's outcomes, under torch's harness or adopted; adopted, its
+    failure must also name the last rank and the assertion (the harness's per-rank report)."""
+
+    def judge(run: StepRun) -> Verdict:
+        path = run.folder / "junit.xml"
+        if not path.exists():
+            return Verdict(ERROR, f"no JUnit report (exit status {run.returncode})")
+        cases = {c["name"]: c for c in junit_cases(path)}
+        outcomes = {name: case["outcome"] for name, case in cases.items()}
+        problems = [
+            f"{name}: {outcomes.get(name, 'not run')}, expected {expected}"
+            for name, expected in CONTINUOUS_EXPECTED.items()
+            if outcomes.get(name) != expected
+        ]
+        failing = cases.get("test_1_fails_on_the_last_rank")
+        if adopted and failing is not None and failing["outcome"] == "failed":
+            message = failing["message"]
+            if " failed" not in message or "cannot be right" not in message:
+                problems.append("the failure's report does not name its rank and assertion")
+            elif "rank" not in message.split(" failed")[0]:
+                problems.append("the failure's headline does not start with the rank")
+        details = {"cases": list(cases.values())}
+        if problems:
+            return Verdict(FAIL, "; ".join(problems), details)
+        headline = failing["message"].splitlines()[0][:100] if adopted and failing else ""
+        summary = f"{len(CONTINUOUS_EXPECTED)} outcomes as expected"
+        return Verdict(PASS, f"{summary}; {headline}" if headline else summary, details)
+
+    return judge
+
+
 # --- the plan ------------------------------------------------------------------------------------
 
 
@@ -365,7 +410,7 @@ def build_steps(plan: Plan, out: Path) -> list[Step]:
             *extra,
         )
 
-    return [
+    steps = [
         Step(
             "environment",
             "torch, CUDA, NCCL and driver versions; devices",
@@ -482,4 +527,26 @@ def build_steps(plan: Plan, out: Path) -> list[Step]:
             wave=9,
             needs=FAULT_TESTS,
         ),
+        Step(
+            "adopt-continuous",
+            "torch's continuous family on the device with --dist-adopt",
+            55,
+            pytest_args("adopt-continuous", CONTINUOUS_TESTS, *native, "--dist-adopt"),
+            judge_continuous(adopted=True),
+            wave=9,  # beside failure-and-hang: the waves fill the check's 8 minutes
+            needs=CONTINUOUS_TESTS,
+        ),
     ]
+    if device in TORCH_OWN_DEVICES:  # the only ones torch's own worker processes can see
+        steps.append(
+            Step(
+                "adopt-continuous-torch",
+                "the same classes under torch's own harness",
+                55,
+                pytest_args("adopt-continuous-torch", CONTINUOUS_TESTS),
+                judge_continuous(adopted=False),
+                wave=9,
+                needs=CONTINUOUS_TESTS,
+            )
+        )
+    return steps
