@@ -17,6 +17,7 @@ from torch.distributed.tensor import Shard, distribute_tensor
 from torch.testing._internal.common_distributed import MultiProcContinuousTest
 from torch.testing._internal.distributed._tensor.common_dtensor import DTensorContinuousTestBase
 
+
 def _rank_device() -> torch.device:
     accelerator = torch.accelerator.current_accelerator()
     assert accelerator is not None, "these classes need an accelerator"

@@ -40,7 +40,10 @@ class TestRanksStartWithTheTestPackage(MultiProcessTestCase):
 def test_ranks_start_with_the_test_package_the_file_imports(tmp_path):
     (tmp_path / "test_sample.py").write_text(SAMPLE)
     (tmp_path / "pytest.ini").write_text("[pytest]\n")
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    }
     done = subprocess.run(
         [sys.executable, "-m", "pytest", "--dist-adopt", "-p", "no:cacheprovider", "-q",
          "test_sample.py"],

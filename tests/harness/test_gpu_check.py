@@ -115,6 +115,13 @@ def test_continuous_judge_needs_every_documented_outcome_and_adopted_a_rank(tmp_
     verdict = steps.judge_continuous(adopted=True)(_run(tmp_path / "no-pill"))
     assert verdict.status == FAIL
     assert "test_2_skipped_after_the_failure: passed, expected skipped" in verdict.summary
+    refused = tmp_path / "refused"
+    refused.mkdir()
+    (refused / "log.txt").write_text(
+        "$ python -m pytest\nERROR: --dist-adopt ... needs expecttest\n"
+    )
+    verdict = steps.judge_continuous(adopted=True)(_run(refused))
+    assert (verdict.status, verdict.summary) == (ERROR, "ERROR: --dist-adopt ... needs expecttest")
     _junit(tmp_path / "missing", *adopted[1:])
     verdict = steps.judge_continuous(adopted=True)(_run(tmp_path / "missing"))
     assert "not run" in verdict.summary

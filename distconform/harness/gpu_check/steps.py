@@ -275,6 +275,13 @@ def judge_faults(run: StepRun) -> Verdict:
     )
 
 
+def _last_line_starting(log: Path, prefix: str) -> str | None:
+    if not log.exists():
+        return None
+    lines = log.read_text(errors="replace").splitlines()
+    return next((line for line in reversed(lines) if line.startswith(prefix)), None)
+
+
 def judge_continuous(adopted: bool) -> Callable[[StepRun], Verdict]:
     """The continuous sample's outcomes, under torch's harness or adopted; adopted, its
     failure must also name the last rank and the assertion (the harness's per-rank report)."""
@@ -282,7 +289,9 @@ def judge_continuous(adopted: bool) -> Callable[[StepRun], Verdict]:
     def judge(run: StepRun) -> Verdict:
         path = run.folder / "junit.xml"
         if not path.exists():
-            return Verdict(ERROR, f"no JUnit report (exit status {run.returncode})")
+            # pytest's one-line refusal (a usage error: expecttest missing, say) says why.
+            refusal = _last_line_starting(run.log, "ERROR:")
+            return Verdict(ERROR, refusal or f"no JUnit report (exit status {run.returncode})")
         cases = {c["name"]: c for c in junit_cases(path)}
         outcomes = {name: case["outcome"] for name, case in cases.items()}
         problems = [
