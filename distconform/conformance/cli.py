@@ -151,7 +151,7 @@ def main(argv: list[str]) -> int:
         return SUBCOMMANDS[argv[0]](argv[1:])
     import pytest  # as in _suites_dir: --help answers before pytest and its plugins load
 
-    from distconform.conformance.report import writable_directory
+    from distconform.conformance.run_environment import writable_directory
 
     options, _ = build_parser().parse_known_args(argv)
     try:  # in the user's words (--out), before pytest and every test

@@ -38,10 +38,11 @@ from distconform.conformance.expectations import (
 )
 from distconform.conformance.out_lock import OutputLock
 from distconform.conformance.progress import RunTracker
+from distconform.conformance.recorder import Recorder, profiles_from_hook
 from distconform.conformance.renderers import FILE_FORMATS, junit, terminal
 from distconform.conformance.renderers.format import write_files
 from distconform.conformance.renderers.third_party import ReportFormatError, installed_formats
-from distconform.conformance.report import writable_directory
+from distconform.conformance.run_environment import environment_of, writable_directory
 from distconform.conformance.tolerance import Tolerance
 from distconform.extension import (
     implementations,
@@ -337,7 +338,7 @@ class ConformancePlugin:
         self.reporting = self.out_dir is not None or (
             rank_0 and config.getoption("conformance_table")
         )
-        self.recorder = conformance_report.Recorder(
+        self.recorder = Recorder(
             lambda nodeid: self.expectations.xfail_for(case_id(nodeid, config.rootpath))
         )
         self.stale: list[Entry] = []
@@ -363,7 +364,7 @@ class ConformancePlugin:
             # Asked now, not at the end, so that a malformed answer is a usage error.
             raw = config.hook.pytest_distconform_conformance_profiles(config=config)
             try:
-                self.profiles = conformance_report.profiles_from_hook(raw)
+                self.profiles = profiles_from_hook(raw)
             except ValueError as exc:
                 raise pytest.UsageError(f"distconform: {exc}") from None
 
@@ -511,9 +512,7 @@ class ConformancePlugin:
         # From the reports, not the items: a pytest-xdist controller collects none.
         backend_cases = any(r.subject == BACKEND for r in self.recorder.results.values())
         declaration = backend_declaration(self.config).describe() if backend_cases else None
-        environment = conformance_report.environment_of(
-            self.config, self.spec, self.expectations, declaration
-        )
+        environment = environment_of(self.config, self.spec, self.expectations, declaration)
         if self.out_dir is not None:
             environment["junit_xml"] = str(self.out_dir / junit.FORMAT.file_name)
         return self.recorder.build(environment, self.stale, self.profiles, run)

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from distconform.conformance.report import RunState
+from distconform.conformance.statuses import RunState
 
 STILL_RUNNING = (
     "the run had not finished when this file was written (a run that was killed leaves it so)"

@@ -23,7 +23,7 @@ implementation does not all declare gets no percentage. The headline opens with 
 verdicts (:mod:`distconform.conformance.verdict`): the run's, then each profile's.
 
 There is one report model, :class:`ConformanceReport`, whether the session that runs builds it
-(:class:`Recorder`) or it is read back from a ``conformance.json``
+(:class:`~distconform.conformance.recorder.Recorder`) or it is read back from a ``conformance.json``
 (:meth:`ConformanceReport.load`): every renderer (:mod:`distconform.conformance.renderers`) and
 every page (:mod:`distconform.conformance.pages`) takes it, so a report renders the same from
 either. The JSON holds what was recorded; every figure (counts, profiles, verdicts) is derived
@@ -32,21 +32,15 @@ from it again on reading.
 
 from __future__ import annotations
 
-import datetime
 import json
-import os
-import platform
 import re
-import sys
 from collections import Counter, defaultdict
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import pytest
-
-from distconform.conformance.expectations import Entry, Expectations
+from distconform.conformance.expectations import Entry
 from distconform.conformance.statuses import (
     APPLIED_STATUSES,
     PASS_RATE_DEFINITION,
@@ -58,23 +52,11 @@ from distconform.conformance.statuses import (
     plural,
 )
 from distconform.conformance.verdict import Verdict, profile_verdict, run_verdict
-from distconform.extension import BACKEND_PLUGINS_ENV as BACKEND_PLUGINS_VAR
-from distconform.extension import (
-    INFRASTRUCTURE_RETRY_PROPERTY,
-    RANK_OUTCOMES_PROPERTY,
-    REPRODUCE_PROPERTY,
-    SETTINGS_KEY,
-    world_size_of,
-)
 from distconform.suites.backend_capabilities import KNOWN_BACKEND_CAPABILITIES
 from distconform.suites.cases import (
     BACKEND,
-    CAPABILITIES_PROPERTY,
-    CASE_PROPERTY,
     IMPLEMENTATION,
     MISSING_DEPENDENCY_PREFIX,
-    SUBJECT_PROPERTY,
-    UNSUPPORTED_PREFIX,
     Profile,
 )
 
@@ -85,7 +67,8 @@ SCHEMA_VERSION = 7
 #: profile's subject and each test's inherited expectation. Fields a version lacks read as
 #: empty; the verdicts are derived again whatever the version.
 READABLE_VERSIONS = (4, 5, 6, 7)
-_MAX_DETAIL_CHARS = 4000
+#: The end of a failure's text a result keeps (its root cause and the per-rank table).
+MAX_DETAIL_CHARS = 4000
 
 
 class UnreadableReportError(ValueError):
@@ -202,212 +185,6 @@ class StaleExpectation:
         return cls(
             str(raw["id"]), str(raw.get("kind") or ""), str(raw.get("file") or ""), raw.get("line")
         )
-
-
-def feature_of(item: pytest.Item) -> str:
-    """The ``feature`` marker, else the module path without its top directory and ``test_``."""
-    marker = item.get_closest_marker("feature")
-    if marker is not None and marker.args:
-        return str(marker.args[0])
-    return feature_from_nodeid(item.nodeid)
-
-
-def feature_from_nodeid(nodeid: str) -> str:
-    parts = nodeid.split("::", 1)[0].split("/")
-    if len(parts) > 1:
-        parts = parts[1:]
-    stem = parts[-1].removesuffix(".py")
-    parts[-1] = stem.removeprefix("test_")
-    return "/".join(parts)
-
-
-_WORLD_SIZE_ID = re.compile(r"\[(?:[^\]]*-)?ws(\d+)(?:-|\])")
-
-
-def world_size_from_nodeid(nodeid: str) -> int | None:
-    """The ``wsN`` part of a parametrized id (for reports from pytest-xdist workers)."""
-    found = _WORLD_SIZE_ID.search(nodeid)
-    return int(found.group(1)) if found else None
-
-
-def _skip_reason(report: pytest.TestReport) -> str:
-    longrepr = report.longrepr
-    if isinstance(longrepr, tuple) and len(longrepr) == 3:
-        text = str(longrepr[2])
-    else:
-        text = str(longrepr or "")
-    return text.removeprefix("Skipped: ").strip()
-
-
-def _crash_message(report: pytest.TestReport) -> str:
-    """One line: the exception's message (a distributed failure's root-cause line)."""
-    crash = getattr(report.longrepr, "reprcrash", None)
-    text = str(getattr(crash, "message", "") or "").strip()
-    if not text:  # a plain-text report (e.g. a pool that did not start): its first line
-        lines = [line for line in report.longreprtext.splitlines() if line.strip()]
-        text = lines[0].strip() if lines else ""
-    return text.splitlines()[0] if text else ""
-
-
-class Recorder:
-    """Turns the stream of TestReports into one TestResult per test."""
-
-    def __init__(self, expectation_of: Callable[[str], Entry | None] | None = None) -> None:
-        self.results: dict[str, TestResult] = {}
-        # Tests set up but with no outcome yet (still running, or cut short by Ctrl-C or a
-        # crash), with their set-up time: they are not results.
-        self.in_progress: dict[str, float] = {}
-        self._items: dict[str, tuple[str, int | None]] = {}
-        self._expected: dict[str, Entry] = {}
-        # For reports of items collected elsewhere (pytest-xdist workers): their entry.
-        self._expectation_of = expectation_of
-
-    def describe_item(self, item: pytest.Item) -> None:
-        self._items[item.nodeid] = (feature_of(item), world_size_of(item))
-
-    def expect(self, nodeid: str, entry: Entry) -> None:
-        self._expected[nodeid] = entry
-
-    def add(self, report: pytest.TestReport) -> None:
-        if report.outcome not in ("passed", "failed", "skipped"):
-            return  # e.g. "rerun": only the final attempt counts
-        if report.when == "setup" and report.passed:
-            self.in_progress[report.nodeid] = report.duration
-            return
-        result = self.results.get(report.nodeid)
-        if result is None:
-            # Items collected elsewhere (pytest-xdist workers) are described from their id.
-            feature, world_size = self._items.get(
-                report.nodeid,
-                (feature_from_nodeid(report.nodeid), world_size_from_nodeid(report.nodeid)),
-            )
-            result = self.results[report.nodeid] = TestResult(report.nodeid, feature, world_size)
-        _read_properties(result, report)
-        result.duration_s += self.in_progress.pop(report.nodeid, 0.0) + report.duration
-        if report.when == "teardown":
-            if report.failed and result.status != "FAIL":
-                self._fail(result, report)
-            return
-        result.when = report.when
-        entry = self._expected.get(report.nodeid)
-        wasxfail = getattr(report, "wasxfail", None)
-        if entry is None and wasxfail is not None and self._expectation_of is not None:
-            entry = self._expectation_of(report.nodeid)
-        if entry is not None:
-            result.category, result.link = entry.category, entry.link
-            result.inherited_from = entry.inherited_from
-            wasxfail = entry.reason if wasxfail is not None else None
-        if report.failed:
-            self._fail(result, report)
-        elif report.passed:
-            result.status = "XPASS" if wasxfail is not None else "PASS"
-            result.reason = wasxfail or ""
-        elif wasxfail is not None:
-            result.status = "XFAIL"
-            result.reason = wasxfail
-            result.message = _crash_message(report)
-            result.detail = report.longreprtext[-_MAX_DETAIL_CHARS:]
-        else:
-            result.reason = _skip_reason(report)
-            unsupported = result.reason.startswith(UNSUPPORTED_PREFIX)
-            result.status = "UNSUPPORTED" if unsupported else "SKIP"
-
-    def add_collect_skip(self, report: pytest.CollectReport) -> None:
-        """A module skipped at collection for a missing package: a SKIP result that names it
-        (pytest drops such a module from the run without a test to report)."""
-        reason = _skip_reason(report)
-        if not report.skipped or not reason.startswith(MISSING_DEPENDENCY_PREFIX):
-            return
-        result = TestResult(report.nodeid, feature_from_nodeid(report.nodeid), None)
-        result.status, result.reason, result.when = "SKIP", reason, "setup"
-        self.results[report.nodeid] = result
-
-    @staticmethod
-    def _fail(result: TestResult, report: pytest.TestReport) -> None:
-        result.status = "FAIL"
-        result.when = report.when
-        result.message = _crash_message(report)
-        result.detail = report.longreprtext[-_MAX_DETAIL_CHARS:]
-
-    def build(
-        self,
-        environment: dict[str, Any],
-        stale: Sequence[Entry],
-        profiles: Sequence[Profile] = (),
-        run: RunState | None = None,
-    ) -> ConformanceReport:
-        """The report of the tests recorded so far."""
-        return ConformanceReport(
-            environment,
-            list(self.results.values()),
-            [StaleExpectation.of(entry) for entry in stale],
-            list(profiles),
-            run or RunState(),
-        )
-
-
-def _read_properties(result: TestResult, report: pytest.TestReport) -> None:
-    properties = dict(getattr(report, "user_properties", None) or ())
-    if RANK_OUTCOMES_PROPERTY in properties:
-        result.ranks = _rank_outcomes(str(properties[RANK_OUTCOMES_PROPERTY]))
-    if REPRODUCE_PROPERTY in properties:
-        result.reproduce = str(properties[REPRODUCE_PROPERTY])
-    if INFRASTRUCTURE_RETRY_PROPERTY in properties:
-        result.infrastructure_retry = str(properties[INFRASTRUCTURE_RETRY_PROPERTY])
-    if CASE_PROPERTY not in properties:
-        return  # "capabilities" alone may be a project's own record_property
-    result.case = str(properties[CASE_PROPERTY])
-    result.subject = str(properties.get(SUBJECT_PROPERTY, IMPLEMENTATION))
-    needs = str(properties.get(CAPABILITIES_PROPERTY, ""))
-    result.capabilities = sorted(cap for cap in needs.split(",") if cap)
-
-
-def _rank_outcomes(text: str) -> list[dict[str, Any]]:
-    """``"0:passed 1:failed"`` as ``[{"rank": 0, "outcome": "passed"}, ...]``."""
-    ranks = []
-    for pair in text.split():
-        rank, _, outcome = pair.partition(":")
-        if rank.isdigit() and outcome:
-            ranks.append({"rank": int(rank), "outcome": outcome})
-    return ranks
-
-
-# --- profiles ------------------------------------------------------------------------------
-
-
-def profiles_from_hook(raw: Any) -> list[Profile]:
-    """The hook's dicts as Profiles; a malformed one is a ValueError naming it."""
-    if raw is None:
-        return []
-    if not isinstance(raw, list):
-        raise ValueError(f"conformance profiles must be a list of dicts, got {raw!r}")
-    profiles = []
-    for entry in raw:
-        name = entry.get("name") if isinstance(entry, dict) else None
-        capabilities = entry.get("capabilities") if isinstance(entry, dict) else None
-        if (
-            not isinstance(name, str)
-            or not name
-            or not isinstance(entry.get("required", False), bool)
-            or not isinstance(capabilities, list)
-            or not all(isinstance(cap, str) for cap in capabilities)
-        ):
-            raise ValueError(
-                f"conformance profile {entry!r}: needs name (str), required (bool) and "
-                f"capabilities (list of str)"
-            )
-        if any(profile.name == name for profile in profiles):
-            raise ValueError(f"conformance profile {name!r} is defined twice")
-        profiles.append(
-            Profile(
-                name,
-                str(entry.get("description", "")),
-                entry.get("required", False),
-                tuple(capabilities),
-                str(entry.get("subject", IMPLEMENTATION)),
-            )
-        )
-    return profiles
 
 
 def profiles_of_test(needs: Collection[str], profiles: Sequence[Profile]) -> list[Profile]:
@@ -732,94 +509,3 @@ def _profile_from_json(raw: dict[str, Any], tests: Sequence[TestResult]) -> Prof
         capabilities,
         str(subject),
     )
-
-
-def writable_directory(path: Path, option: str) -> Path:
-    """Prove the report can be written at ``path`` before the run, without creating it (a
-    refused run leaves nothing behind): a directory, or a path whose nearest existing folder
-    this process may write into."""
-    if path.exists() and not path.is_dir():
-        raise pytest.UsageError(
-            f"{option} {path} is a file, not a directory: name a directory for the report"
-        )
-    existing = path.absolute()
-    while not existing.exists():
-        existing = existing.parent
-    if not existing.is_dir():
-        raise pytest.UsageError(
-            f"{option} {path}: {existing} is a file, not a directory: name a directory for "
-            f"the report"
-        )
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise pytest.UsageError(
-            f"{option} {path}: cannot write the report there ({existing} is not writable); "
-            f"name a directory you can write to"
-        )
-    return path
-
-
-def environment_of(
-    config: pytest.Config,
-    spec: str | None,
-    expectations: Expectations,
-    backend_declaration: dict[str, Any] | None = None,
-) -> dict[str, Any]:
-    """The report's header: what ran, against what, where and when."""
-    # Imported at the end of the run only: the report module loads with every session.
-    import torch
-
-    settings = config.stash.get(SETTINGS_KEY, None)
-    plugins = [name for name in os.environ.get(BACKEND_PLUGINS_VAR, "").split(",") if name]
-    return {
-        "torch_version": torch.__version__,
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "implementation": describe_implementation(spec),
-        "backend_declaration": backend_declaration,
-        "launcher": settings.launcher if settings else None,
-        "backend": settings.backend if settings else None,
-        "device": settings.device_type if settings else None,
-        "world_sizes": list(settings.world_sizes) if settings and settings.world_sizes else None,
-        "seed": settings.seed if settings else None,
-        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
-        "backend_plugins": plugins,
-        "expectations": ", ".join(str(path) for path in expectations.sources) or None,
-        "command": [sys.executable, "-m", "pytest", *config.invocation_params.args],
-        "stream_check": stream_check_state(settings),
-        # Set by the plugin to the JUnit file it writes beside the report (--conformance-out).
-        "junit_xml": None,
-    }
-
-
-def stream_check_state(settings: Any) -> str | None:
-    """``on``, ``off`` (--no-dist-stream-check) or ``unavailable`` (the device has no stream
-    checker); None without distributed settings."""
-    if settings is None:
-        return None
-    # Imported at the end of the run only, as torch is: the device module answers.
-    from distconform.extension import stream_checker
-
-    if stream_checker(settings.device_type) is None:
-        return "unavailable"
-    return "on" if settings.stream_check else "off"
-
-
-def describe_implementation(spec: str | None) -> dict[str, Any]:
-    if spec is None:
-        return {"name": None, "spec": None, "capabilities": []}
-    # distconform.impl.api imports torch, like environment_of: only when the report is built.
-    from distconform.impl.api import load_implementation
-
-    try:
-        impl = load_implementation(spec)
-    except Exception as exc:  # the report still says what was asked for and why it failed
-        return {"name": spec, "spec": spec, "capabilities": [], "error": repr(exc)}
-    record = {
-        "name": impl.name,
-        "spec": spec,
-        "class": f"{type(impl).__module__}.{type(impl).__qualname__}",
-        "capabilities": sorted(impl.capabilities),
-    }
-    if impl.built_on is not None:
-        record["built_on"] = impl.built_on
-    return record

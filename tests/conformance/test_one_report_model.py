@@ -19,10 +19,10 @@ import pytest
 from distconform.conformance.compare import Change, Comparison
 from distconform.conformance.expectations import Entry
 from distconform.conformance.pages.run import case_row, render_run
+from distconform.conformance.recorder import Recorder
 from distconform.conformance.renderers import FILE_FORMATS, json_document, terminal
 from distconform.conformance.report import (
     ConformanceReport,
-    Recorder,
     RunState,
     UnreadableReportError,
 )

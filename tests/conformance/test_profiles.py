@@ -10,20 +10,21 @@ import textwrap
 
 import pytest
 
+from distconform.conformance.recorder import Recorder, profiles_from_hook
 from distconform.conformance.renderers import markdown, terminal, text
-from distconform.conformance.report import (
-    CAPABILITIES_PROPERTY,
-    CASE_PROPERTY,
-    ConformanceReport,
-    Profile,
-    Recorder,
-    RunState,
-    profiles_from_hook,
-    profiles_of_test,
-)
+from distconform.conformance.report import ConformanceReport, profiles_of_test
+from distconform.conformance.statuses import RunState
 from distconform.harness.shared.outcomes import STREAM_SAFETY_HEADLINE
 from distconform.impl.api import KNOWN_CAPABILITIES
-from distconform.suites.cases import IMPLEMENTATION, SUBJECT_PROPERTY, load_profiles, parse_profiles
+from distconform.suites.cases import (
+    CAPABILITIES_PROPERTY,
+    CASE_PROPERTY,
+    IMPLEMENTATION,
+    SUBJECT_PROPERTY,
+    Profile,
+    load_profiles,
+    parse_profiles,
+)
 from tests.conformance.report_checks import check_markdown
 from tests.conformance.test_report_units import report
 from tests.suites.test_cases import collect

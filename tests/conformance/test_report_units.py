@@ -6,13 +6,11 @@ from collections import Counter
 
 import pytest
 
+from distconform.conformance.recorder import Recorder, feature_from_nodeid, world_size_from_nodeid
 from distconform.conformance.renderers import text
 from distconform.conformance.report import (
     ConformanceReport,
-    Recorder,
     conformance_percent,
-    feature_from_nodeid,
-    world_size_from_nodeid,
 )
 
 
