@@ -77,12 +77,14 @@ class Audit:
 
 
 def require_audited(audits: Mapping[str, Audit], accessor: str, module: str) -> None:
-    """Refuse ``module:accessor`` unless the installed torch is in the window and audited."""
-    import torch  # as in installed_torch_version
-
+    """Refuse ``module:accessor`` unless the installed torch is in the window and audited.
+    Only a refusal imports torch (for its full version): an accessor that reads nothing of
+    torch's objects (source text, names) may run before anything imports it."""
     version = installed_torch_version()
     where = f"{module}:{accessor}"
     if version not in SUPPORTED_TORCH:
+        import torch  # as in installed_torch_version
+
         raise PrivateTorchAccessError(
             f"{where} reaches a private torch name; distconform supports {describe_window()}, "
             f"but torch {torch.__version__} is installed. Install a torch in that window, or "
@@ -93,6 +95,8 @@ def require_audited(audits: Mapping[str, Audit], accessor: str, module: str) -> 
     if audit is None:
         raise PrivateTorchAccessError(f"{where} has no Audit entry in {module}")
     if version not in audit.versions:
+        import torch
+
         audited = ", ".join(_name(v) for v in audit.versions)
         raise PrivateTorchAccessError(
             f"{where} is audited for torch {audited}, not for the installed "

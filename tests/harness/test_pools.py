@@ -293,9 +293,8 @@ def test_adoption_starts_the_fork_server_only_for_a_file_of_torchs_harness(pytes
                 handle.write(f"{when}={shared_zygote().pid is not None} ")
 
 
-        @pytest.hookimpl(trylast=True)
-        def pytest_configure(config):
-            _record("configure")
+        def pytest_sessionstart(session):  # every plugin has been configured
+            _record("configured")
 
 
         @pytest.hookimpl(trylast=True)
@@ -312,20 +311,27 @@ def test_adoption_starts_the_fork_server_only_for_a_file_of_torchs_harness(pytes
     )
     plain = "import unittest\n\nclass TestPlain(unittest.TestCase):\n"
     plain += "    def test_plain(self):\n        pass\n"
+    pytester.mkdir("found")
+    pytester.path.joinpath("found", "test_found.py").write_text(
+        f"# a MultiProcessTestCase would be adopted here too\n{plain}"
+    )
     pytester.makepyfile(
         test_plain=plain,
         # Named in the text, as a module that subclasses torch's classes names them.
         test_names_it=f"# a MultiProcessTestCase would be adopted here\n{plain}",
     )
-    # Each file alone, the other one beside it.
-    for name in ("test_plain.py", "test_names_it.py"):
-        args = ["-p", "no:cacheprovider", "--dist-adopt", name]
+    # Each file alone; then a folder, whose file is found only by collecting it.
+    for where in ("test_plain.py", "test_names_it.py", "found"):
+        args = ["-p", "no:cacheprovider", "--dist-adopt", where]
         pytester.runpytest_subprocess(*args).assert_outcomes(passed=1)
-    plain_run, named_run = (pytester.path / "fork_server.txt").read_text().splitlines()
+    plain_run, named_run, found_run = (pytester.path / "fork_server.txt").read_text().splitlines()
     # No test of the plain file needs ranks: no fork server, at any point of the session.
-    assert plain_run.split() == ["configure=False", "collected=False", "finished=False"]
-    # One that names torch's harness: started while the file is collected, not at configure.
-    assert named_run.split() == ["configure=False", "collected=True", "finished=True"]
+    assert plain_run.split() == ["configured=False", "collected=False", "finished=False"]
+    # A file the command line names and that names torch's harness: started at configure,
+    # before pytest's process imports torch, so that the two imports overlap.
+    assert named_run.split() == ["configured=True", "collected=True", "finished=True"]
+    # One found by collection: started while it is collected.
+    assert found_run.split() == ["configured=False", "collected=True", "finished=True"]
 
 
 def test_a_fresh_pool_test_gets_ranks_no_other_test_used(pytester, monkeypatch):

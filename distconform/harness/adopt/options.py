@@ -8,8 +8,13 @@ does, is registered only in a session that sets ``--dist-adopt`` or ini ``dist_a
 from __future__ import annotations
 
 import importlib
+from pathlib import Path
 
 import pytest
+
+from distconform.harness.adopt import _torch_test_harness as torch_harness
+from distconform.harness.controller.item_runner import start_fork_server_soon
+from distconform.harness.controller.session import settings_of
 
 #: What torch's test package imports beyond torch itself; the ``adopt`` extra installs it.
 ADOPT_EXTRA = "adopt"
@@ -51,11 +56,42 @@ def adoption_requested(config: pytest.Config) -> bool:
 def pytest_configure(config: pytest.Config) -> None:
     if adoption_requested(config):
         require_adopt_extra()
+        # Before this process imports torch (the plugin below does): the fork server's own
+        # import then runs beside it, not after it.
+        for source in _named_files(config):
+            if start_fork_server_for(config, source):
+                break
         from distconform.harness.adopt import (
             plugin as adopt_plugin,  # torch's test package, only if asked
         )
 
         config.pluginmanager.register(adopt_plugin, adopt_plugin.PLUGIN_NAME)
+
+
+def start_fork_server_for(config: pytest.Config, source: str) -> bool:
+    """Start the rank fork server if a test module's ``source`` names a class of torch's
+    harness (it most likely needs ranks), warm, with what torch's test package loads in the
+    ranks and, on the CPU, the modules of that package the module imports. A session of
+    plain ``TestCase`` modules never starts it."""
+    if not any(name in source for name in torch_harness.FAMILY_BASE_NAMES):
+        return False
+    on_cpu = settings_of(config).device_type == "cpu"
+    preload = torch_harness.test_package_imports(source) if on_cpu else ()
+    start_fork_server_soon(config, warm=True, preload=preload)
+    return True
+
+
+def _named_files(config: pytest.Config) -> list[str]:
+    """The text of each Python file the command line names (``FILE`` or ``FILE::TEST``)."""
+    texts = []
+    for arg in config.args:
+        path = Path(config.invocation_params.dir, arg.split("::", 1)[0])
+        if path.suffix == ".py" and path.is_file():
+            try:
+                texts.append(path.read_text(encoding="utf-8", errors="replace"))
+            except OSError:
+                continue
+    return texts
 
 
 def require_adopt_extra() -> None:

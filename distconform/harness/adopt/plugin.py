@@ -42,6 +42,7 @@ import pytest
 
 from distconform.harness._pytest_private import skip_at_the_items_location
 from distconform.harness.adopt import _torch_test_harness as torch_harness
+from distconform.harness.adopt.options import start_fork_server_for
 from distconform.harness.adopt.rank import run_adopted_method
 from distconform.harness.controller.config import THREADED_BACKEND
 from distconform.harness.controller.item_runner import (
@@ -82,24 +83,17 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_collectstart(collector: pytest.Collector) -> None:
-    """A test module that names a class of torch's harness will most likely need ranks:
-    their fork server starts before the module is imported, its torch import beside the
-    module's own, with what torch's test package loads in the ranks (``warm``) and, on the
-    CPU, the modules of torch's test package the module imports. A session
-    of plain ``TestCase`` modules never starts it. (Not at ``pytest_collect_file``, which
-    also sees the files beside a file named on the command line.)"""
+    """A test module that names a class of torch's harness starts the rank fork server
+    before it is imported (its torch import beside the module's own), unless the command
+    line named it and the server started at configure. (Not at ``pytest_collect_file``,
+    which also sees the files beside a file named on the command line.)"""
     if not isinstance(collector, pytest.Module):
         return
     try:
         source = collector.path.read_text(encoding="utf-8", errors="replace")
     except OSError:
         return
-    if any(name in source for name in torch_harness.FAMILY_BASE_NAMES):
-        # On the CPU its ranks start with the module's imports from torch's test package
-        # loaded; an accelerator's ranks import them after the fork.
-        on_cpu = settings_of(collector.config).device_type == "cpu"
-        preload = torch_harness.test_package_imports(source) if on_cpu else ()
-        start_fork_server_soon(collector.config, warm=True, preload=preload)
+    start_fork_server_for(collector.config, source)
 
 
 @pytest.hookimpl(tryfirst=True)  # before the harness's own start, which is not warm

@@ -14,6 +14,8 @@ from distconform.harness.shared.device_registry import device_type as registered
 from distconform.harness.shared.memory_sizes import parse_size
 
 THREADED_BACKEND = "threaded"
+#: torch's default backend for the CPU in every release (``get_default_backend_for_device``).
+CPU_BACKEND = "gloo"
 DEFAULT_DEADLINE_S = 300.0
 DEFAULT_PEER_GRACE_S = 2.0
 
@@ -47,6 +49,10 @@ def check_device_type(device_type: str) -> str:
     Raises:
         ConfigError: for a type torch does not know, or one given with an index (``cuda:1``).
     """
+    if device_type == "cpu":
+        # The default, answered without torch: a session's own torch import then happens at
+        # collection, beside the rank fork server's (started by then), not before it.
+        return device_type
     # torch only when a device is named: the fork server's clients and the device leases
     # read this module's constants without paying for torch.
     import torch
@@ -63,10 +69,17 @@ def check_device_type(device_type: str) -> str:
     return parsed.type
 
 
+def _plain_cpu(device_type: str) -> bool:
+    """The CPU, with no device registration of its own changing its backend."""
+    return device_type == "cpu" and registered_device(device_type) is None
+
+
 def device_backend(backend: str | None, device_type: str) -> str:
     """The backend a run on ranks of their own uses: the device's default unless one is
     named (the ``threaded`` backend needs rank threads:
     ``distconform.harness.controller.thread_host.launcher``)."""
+    if backend in (None, "auto", CPU_BACKEND) and _plain_cpu(device_type):
+        return CPU_BACKEND  # without torch, as check_device_type answers for the CPU
     import torch.distributed as dist  # as in check_device_type
 
     if backend == THREADED_BACKEND:
