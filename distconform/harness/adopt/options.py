@@ -58,7 +58,7 @@ def pytest_configure(config: pytest.Config) -> None:
         require_adopt_extra()
         # Before this process imports torch (the plugin below does): the fork server's own
         # import then runs beside it, not after it.
-        for source in _named_files(config):
+        for source in _named_files(config) if _runs_tests_here(config) else ():
             if start_fork_server_for(config, source):
                 break
         from distconform.harness.adopt import (
@@ -79,6 +79,14 @@ def start_fork_server_for(config: pytest.Config, source: str) -> bool:
     preload = torch_harness.test_package_imports(source) if on_cpu else ()
     start_fork_server_soon(config, warm=True, preload=preload)
     return True
+
+
+def _runs_tests_here(config: pytest.Config) -> bool:
+    """False in pytest-xdist's controller, which only hands the tests to its workers."""
+    if hasattr(config, "workerinput"):
+        return True
+    # What pytest-xdist reads to start workers (set from -n before any plugin configures).
+    return getattr(config.option, "dist", "no") == "no" or not getattr(config.option, "tx", None)
 
 
 def _named_files(config: pytest.Config) -> list[str]:
