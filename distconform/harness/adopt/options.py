@@ -13,7 +13,10 @@ from pathlib import Path
 import pytest
 
 from distconform.harness.adopt import _torch_test_harness as torch_harness
-from distconform.harness.controller.item_runner import start_fork_server_soon
+from distconform.harness.controller.item_runner import (
+    fork_server_requested,
+    start_fork_server_soon,
+)
 from distconform.harness.controller.session import settings_of
 
 #: What torch's test package imports beyond torch itself; the ``adopt`` extra installs it.
@@ -72,7 +75,9 @@ def start_fork_server_for(config: pytest.Config, source: str) -> bool:
     """Start the rank fork server if a test module's ``source`` names a class of torch's
     harness (it most likely needs ranks), warm, with what torch's test package loads in the
     ranks and, on the CPU, the modules of that package the module imports. A session of
-    plain ``TestCase`` modules never starts it."""
+    plain ``TestCase`` modules never starts it. Once started, nothing more is read."""
+    if fork_server_requested(config):
+        return True
     if not any(name in source for name in torch_harness.FAMILY_BASE_NAMES):
         return False
     on_cpu = settings_of(config).device_type == "cpu"

@@ -47,6 +47,7 @@ from distconform.harness.adopt.rank import run_adopted_method
 from distconform.harness.controller.config import THREADED_BACKEND
 from distconform.harness.controller.item_runner import (
     RUN_KEY,
+    fork_server_requested,
     run_item_body,
     start_fork_server_soon,
 )
@@ -87,7 +88,7 @@ def pytest_collectstart(collector: pytest.Collector) -> None:
     before it is imported (its torch import beside the module's own), unless the command
     line named it and the server started at configure. (Not at ``pytest_collect_file``,
     which also sees the files beside a file named on the command line.)"""
-    if not isinstance(collector, pytest.Module):
+    if not isinstance(collector, pytest.Module) or fork_server_requested(collector.config):
         return
     try:
         source = collector.path.read_text(encoding="utf-8", errors="replace")

@@ -107,13 +107,18 @@ def prestart_if_expected(config: pytest.Config) -> None:
         _start_fork_server(config, requested_launcher(config), warm=bool(announced))
 
 
+def fork_server_requested(config: pytest.Config) -> bool:
+    """Whether this session has already started (or decided on) its rank fork server."""
+    return config.stash.get(PRESTARTED_KEY, False)
+
+
 def start_fork_server_soon(
     config: pytest.Config, warm: bool = False, preload: tuple[str, ...] = ()
 ) -> None:
     """Start the rank fork server now, unless this session already has: for a plugin that
     learns during collection that ranks will be needed (``--dist-adopt`` finding a class of
     torch's harness), so that their start overlaps the rest of collection."""
-    if not config.stash.get(PRESTARTED_KEY, False):
+    if not fork_server_requested(config):
         _start_fork_server(config, settings_of(config).launcher, warm, preload)
 
 
@@ -150,7 +155,7 @@ def pytest_itemcollected(item: pytest.Item) -> None:
     """At the first distributed test collected, start the rank fork server: its torch
     import then overlaps the rest of collection instead of delaying the first test."""
     config = item.config
-    if not config.stash.get(PRESTARTED_KEY, False) and world_size_of(item) is not None:
+    if not fork_server_requested(config) and world_size_of(item) is not None:
         _start_fork_server(config, settings_of(config).launcher)
 
 
